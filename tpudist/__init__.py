@@ -1,0 +1,25 @@
+"""tpudist: unmodified PyTorch distributed training on TPU pods, and on CPU processes emulating them.
+
+    import torch.distributed as dist
+    dist.init_process_group("tpu")   # every c10d collective becomes an XLA collective
+
+Layers (imports flow downwards only): ``tpudist.mesh`` (the ICI torus as data: no torch, no JAX),
+``tpudist.process_group`` (the c10d backend), ``tpudist.sharding`` (DTensor <-> JAX).
+"""
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "Topology":
+        from tpudist.mesh import Topology
+
+        return Topology
+    if name in ("monitored_barrier", "cache_stats"):
+        import tpudist.process_group as pg
+
+        return getattr(pg, name)
+    raise AttributeError(f"module 'tpudist' has no attribute {name!r}")
+
+
+__all__ = ["Topology", "__version__", "cache_stats", "monitored_barrier"]

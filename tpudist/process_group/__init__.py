@@ -1,0 +1,31 @@
+"""The "tpu" c10d backend: every torch.distributed collective as an XLA collective.
+
+Registered automatically on ``import torch`` (a ``torch.backends`` entry point), so user code only
+calls ``torch.distributed.init_process_group("tpu")``. Importing this package does not import JAX.
+"""
+
+from tpudist.process_group._autoload import ALIAS_NAME, BACKEND_NAME, register
+
+
+def __getattr__(name):  # keep `import tpudist` free of JAX: load the backend on first use
+    if name in ("ProcessGroupTPU", "create_process_group"):
+        from tpudist.process_group import group
+
+        return getattr(group, name)
+    if name in ("CollectiveError", "CollectiveTimeout", "Work"):
+        from tpudist.process_group import work
+
+        return getattr(work, name)
+    if name == "cache_stats":
+        from tpudist.process_group.programs import cache_stats
+
+        return cache_stats
+    if name == "monitored_barrier":
+        from tpudist.process_group.monitor import monitored_barrier
+
+        return monitored_barrier
+    raise AttributeError(name)
+
+
+__all__ = ["ALIAS_NAME", "BACKEND_NAME", "CollectiveError", "CollectiveTimeout", "ProcessGroupTPU",
+           "cache_stats", "create_process_group", "monitored_barrier", "register"]

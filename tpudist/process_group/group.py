@@ -1,0 +1,625 @@
+"""``ProcessGroupTPU``: the "tpu" c10d backend. Each collective runs as one XLA program.
+
+torch calls the methods below (their names and argument shapes are c10d's); each validates its
+input, builds a :class:`~tpudist.process_group.programs.ProgramKey` and a host block, and submits
+the program to the process's comm stream. Results are written back into the caller's tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import timedelta
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tpudist.process_group import programs, runtime
+from tpudist.process_group import tensors as tz
+from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.work import STREAM, CollectiveError, Work
+
+BACKEND_NAME = "tpu"
+
+_REDUCE_NAMES = {
+    dist.ReduceOp.SUM: programs.SUM, dist.ReduceOp.AVG: programs.AVG,
+    dist.ReduceOp.PRODUCT: programs.PRODUCT, dist.ReduceOp.MIN: programs.MIN,
+    dist.ReduceOp.MAX: programs.MAX, dist.ReduceOp.BAND: programs.BAND,
+    dist.ReduceOp.BOR: programs.BOR, dist.ReduceOp.BXOR: programs.BXOR,
+    dist.ReduceOp.PREMUL_SUM: programs.PREMUL_SUM,
+}
+_BITWISE = (programs.BAND, programs.BOR, programs.BXOR)
+# bool reduces as uint8 0/1: sum is "or" and product is "and", as gloo does.
+_BOOL_REDUCE = {programs.SUM: programs.MAX, programs.PRODUCT: programs.MIN, programs.BAND: programs.MIN,
+                programs.BOR: programs.MAX}
+
+
+def create_process_group(opts: Any, backend_options: Any) -> "ProcessGroupTPU":
+    """The creator torch calls (``extended_api=True``) on every member of a new group."""
+    global_ranks = tuple(opts.global_ranks_in_group) or tuple(range(opts.group_size))
+    return ProcessGroupTPU(opts.store, opts.group_rank, opts.group_size, opts.timeout, global_ranks)
+
+
+class ProcessGroupTPU(dist.ProcessGroup):
+    """A c10d process group whose collectives are XLA collectives over its members' devices."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta,
+                 global_ranks: tuple[int, ...]):
+        super().__init__(rank, size)
+        if len(global_ranks) != size:
+            raise ValueError(f"global_ranks={global_ranks} must list size={size} ranks")
+        self._store = store
+        self._timeout = timeout
+        self._global_ranks = global_ranks
+        self._is_world = global_ranks == tuple(range(len(global_ranks))) and not runtime.is_booted()
+        self._name = ""
+        self._desc = ""
+        self._coalescing: list[Work] | None = None
+        if self._is_world:
+            runtime.boot(store, global_ranks[rank], size, timeout, owner=self)
+        elif not runtime.is_booted():
+            raise NotImplementedError(
+                f'a "tpu" subgroup (global_ranks={list(global_ranks)}) needs a "tpu" world group: '
+                'call init_process_group("tpu") rather than giving "tpu" to new_group only')
+
+    # -- identity (torch looks groups up by name: FACTS.md) ---------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        # A Python group has none by default, which breaks object collectives, DCP and
+        # set_model_state_dict(broadcast_from_rank0=True) (FACTS.md). Our tensors live on the CPU.
+        return [torch.device("cpu")]
+
+    @property
+    def global_ranks(self) -> tuple[int, ...]:
+        """Global rank of each group rank."""
+        return self._global_ranks
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupTPU(rank={self.rank()}, size={self.size()}, ranks={list(self._global_ranks)})"
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def _describe(self, op: str) -> str:
+        return f"{op} on group {self._name or '?'} (global ranks {list(self._global_ranks)})"
+
+    def _submit(self, op: str, key: ProgramKey, block: np.ndarray,
+                finish: Callable[[np.ndarray], Any], async_op: bool) -> Work:
+        work = Work(self._describe(op), self._timeout)
+
+        def task():
+            return finish(self._run_program(op, key, block))
+
+        return self._enqueue(work, task, async_op)
+
+    def _run_program(self, op: str, key: ProgramKey, block: np.ndarray) -> np.ndarray:
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        fn = programs.program(key)
+        mesh = programs.mesh_of(key.group)
+        try:
+            with jax.enable_x64(tz.needs_x64(block.dtype)):
+                local = jax.device_put(block[None], runtime.current().local_device)
+                arr = jax.make_array_from_single_device_arrays(
+                    (len(key.group), *block.shape), NamedSharding(mesh, PartitionSpec(programs.AXIS)),
+                    [local])
+                return np.asarray(fn(arr).addressable_data(0))[0]
+        except Exception as e:  # XLA raises ValueError/JaxRuntimeError: make it a c10d-style error
+            raise CollectiveError(f"{self._describe(op)} failed on rank {self.rank()}: {e}") from e
+
+    def _key(self, op: str, block: np.ndarray, reduce: str | None = None, static: tuple = ()) -> ProgramKey:
+        return ProgramKey(op, tuple(block.shape), block.dtype.name, self._global_ranks, reduce, static)
+
+    def _reduce_name(self, op: str, reduce_op: Any, dtype: torch.dtype) -> tuple[str, tuple]:
+        kind = getattr(reduce_op, "op", reduce_op)
+        name = _REDUCE_NAMES.get(kind)
+        if name is None:
+            raise ValueError(f"{op}: reduce_op={reduce_op} is not a c10d ReduceOp")
+        static: tuple = ()
+        if name == programs.PREMUL_SUM:
+            factor = reduce_op.factor
+            if isinstance(factor, torch.Tensor):
+                factor = factor.item()
+            static = (float(factor),)
+        if not tz.numeric_supported(dtype):
+            raise TypeError(f"{op}: dtype={dtype} cannot be reduced by tpudist; use one of "
+                            "float16/bfloat16/float32/float64, int8-int64, uint8, bool, complex")
+        floating = dtype in tz.FLOATING or dtype in tz.COMPLEX
+        if name in _BITWISE and floating:
+            raise TypeError(f"{op}: reduce_op={name.upper()} needs an integer or bool tensor, got "
+                            f"dtype={dtype}")
+        if name in (programs.AVG, programs.PREMUL_SUM) and not floating:
+            raise TypeError(f"{op}: reduce_op={name.upper()} needs a floating or complex tensor, got "
+                            f"dtype={dtype}; use SUM and divide")
+        if dtype in tz.COMPLEX and name in (programs.MIN, programs.MAX, programs.PRODUCT):
+            raise TypeError(f"{op}: reduce_op={name.upper()} is not defined for complex dtype={dtype}")
+        if dtype == torch.bool:
+            name = _BOOL_REDUCE.get(name, name)
+        return name, static
+
+    def _check_rank(self, op: str, what: str, rank: int) -> int:
+        if not 0 <= rank < self.size():
+            raise ValueError(f"{op}: {what}={rank} is not a rank of this group of size {self.size()}; "
+                             f"group ranks are 0..{self.size() - 1}")
+        return rank
+
+    @staticmethod
+    def _one(op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise ValueError(f"{op}: takes exactly one tensor per rank, got {len(tensors)}; tpudist "
+                             "drives one device per process")
+        return _check_device(op, tensors[0])
+
+    # -- reductions -------------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        return self._reduce_into("all_reduce", self._one("all_reduce", tensors), opts.reduceOp,
+                                 root=None, async_op=opts.asyncOp)
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        root = self._check_rank("reduce", "dst", opts.rootRank)
+        return self._reduce_into("reduce", self._one("reduce", tensors), opts.reduceOp, root=root,
+                                 async_op=opts.asyncOp)
+
+    def _reduce_into(self, op: str, t: torch.Tensor, reduce_op: Any, root: int | None, async_op: bool):
+        reduce, static = self._reduce_name(op, reduce_op, t.dtype)
+        block = tz.as_numeric(t)
+
+        def finish(out):
+            if root is None or root == self.rank():
+                tz.write_numeric(t, out)
+            return [t]
+
+        return self._submit(op, self._key("all_reduce", block, reduce, static), block, finish, async_op)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts or dist.AllreduceCoalescedOptions()
+        tensors = [_check_device("all_reduce_coalesced", t) for t in tensors]
+        _check_same_dtype("all_reduce_coalesced", tensors)
+        if not tensors:
+            return _done_work(self._describe("all_reduce_coalesced"), self._timeout, [])
+        reduce, static = self._reduce_name("all_reduce_coalesced", opts.reduceOp, tensors[0].dtype)
+        block = np.concatenate([tz.as_numeric(t).reshape(-1) for t in tensors])
+        sizes = [t.numel() for t in tensors]
+
+        def finish(out):
+            for t, part in zip(tensors, np.split(out, np.cumsum(sizes)[:-1])):
+                tz.write_numeric(t, part)
+            return tensors
+
+        key = self._key("all_reduce", block, reduce, static)
+        return self._submit("all_reduce_coalesced", key, block, finish, opts.asyncOp)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        out = self._one("reduce_scatter", output_tensors)
+        if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
+            raise ValueError(f"reduce_scatter: needs a list of size={self.size()} input tensors, got "
+                             f"{[len(x) for x in input_tensors]}")
+        chunks = [_check_device("reduce_scatter", t) for t in input_tensors[0]]
+        _check_same_dtype("reduce_scatter", [out, *chunks])
+        _check_numel("reduce_scatter", "input_list[rank]", chunks[self.rank()], out.numel())
+        width = max(t.numel() for t in chunks)
+        block = np.stack([_padded(tz.as_numeric(t).reshape(-1), width) for t in chunks])
+        return self._reduce_scatter_block("reduce_scatter", block, [out], opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        op = "reduce_scatter_tensor"
+        opts = opts or dist.ReduceScatterOptions()
+        outputs = [_check_device(op, t) for t in outputs]
+        inputs = [_check_device(op, t) for t in inputs]
+        _check_same_dtype(op, [*outputs, *inputs])
+        for out, inp in zip(outputs, inputs, strict=True):
+            _check_numel(op, "input", inp, out.numel() * self.size())
+        n = self.size()
+        block = np.concatenate([tz.as_numeric(t).reshape(n, -1) for t in inputs], axis=1)
+        return self._reduce_scatter_block(op, block, outputs, opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _reduce_scatter_block(self, op: str, block: np.ndarray, outputs: list[torch.Tensor], opts):
+        reduce, static = self._reduce_name(op, opts.reduceOp, outputs[0].dtype)
+        sizes = [t.numel() for t in outputs]
+
+        def finish(out):
+            for t, part in zip(outputs, np.split(out, np.cumsum(sizes)[:-1])):
+                tz.write_numeric(t, part)
+            return outputs
+
+        key = self._key("reduce_scatter", block, reduce, static)
+        return self._submit(op, key, block, finish, opts.asyncOp)
+
+    # -- data movement (raw bytes) ----------------------------------------------------------------
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        inp = self._one("all_gather", input_tensors)
+        if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
+            raise ValueError(f"all_gather: needs a list of size={self.size()} output tensors, got "
+                             f"{[len(x) for x in output_tensors]}")
+        outs = [_check_device("all_gather", t) for t in output_tensors[0]]
+        _check_same_dtype("all_gather", [inp, *outs])
+        _check_numel("all_gather", f"output_list[{self.rank()}]", outs[self.rank()], inp.numel())
+        return self._gather_bytes("all_gather", [inp], [outs], opts.asyncOp)
+
+    def all_gather_single(self, output, input, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        return self.all_gather_single_coalesced([output], [input], opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        op = "all_gather_into_tensor"
+        opts = opts or dist.AllgatherOptions()
+        outputs = [_check_device(op, t) for t in outputs]
+        inputs = [_check_device(op, t) for t in inputs]
+        for out, inp in zip(outputs, inputs, strict=True):
+            _check_same_dtype(op, [out, inp])
+            _check_numel(op, "output", out, inp.numel() * self.size())
+        # Non-contiguous outputs receive through a contiguous staging tensor.
+        staged = [out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
+                  for out in outputs]
+        per_rank = [list(s.view(self.size(), s.numel() // self.size())) for s in staged]
+        work = self._gather_bytes(op, inputs, per_rank, opts.asyncOp)
+        if any(s is not o for s, o in zip(staged, outputs)):
+            work.wait()
+            with torch.no_grad():
+                for s, o in zip(staged, outputs):
+                    if s is not o:
+                        o.copy_(s)
+        return work
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        inputs = [_check_device("all_gather_coalesced", t) for t in input_list]
+        if len(output_lists) != len(inputs):
+            raise ValueError(f"all_gather_coalesced: {len(output_lists)} output lists for "
+                             f"{len(inputs)} inputs; give one list of size={self.size()} per input")
+        return self._gather_bytes("all_gather_coalesced", inputs, output_lists, opts.asyncOp)
+
+    def _gather_bytes(self, op: str, inputs: list[torch.Tensor], outputs: list[list[Any]],
+                      async_op: bool, root: int | None = None):
+        """All-gathers the bytes of ``inputs``; ``outputs[k][r]`` receives rank r's input k.
+
+        Uneven sizes (known to every rank from the output shapes) are padded to the largest.
+        """
+        sizes = [[_nbytes(o) for o in row] for row in outputs]  # [input k][rank r]
+        widths = [max(row) for row in sizes]
+        unit = tz.byte_unit(int(np.gcd.reduce([*widths, *(s for row in sizes for s in row), 4])))
+        block = np.concatenate([_padded(_raw(t, unit), w // unit.itemsize)
+                                for t, w in zip(inputs, widths)]) if inputs else np.zeros(0, unit)
+
+        def finish(out):  # out: (n, sum(widths) / unit)
+            if root is not None and root != self.rank():
+                return None
+            raw = out.view(np.uint8)
+            offset = 0
+            for row, width in zip(outputs, widths):
+                for r, o in enumerate(row):
+                    _write_raw(o, raw[r, offset:offset + _nbytes(o)])
+                offset += width
+            return [o for row in outputs for o in row]
+
+        return self._submit(op, self._key("all_gather", block), block, finish, async_op)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.GatherOptions()
+        root = self._check_rank("gather", "dst", opts.rootRank)
+        inp = self._one("gather", input_tensors)
+        if self.rank() == root:
+            if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
+                raise ValueError(f"gather: dst needs a list of size={self.size()} output tensors")
+            outs = [_check_device("gather", t) for t in output_tensors[0]]
+            _check_same_dtype("gather", [inp, *outs])
+            for t in outs:
+                _check_numel("gather", "output", t, inp.numel())
+        else:
+            outs = [_Sized(tz.nbytes(inp))] * self.size()
+        return self._gather_bytes("gather", [inp], [outs], opts.asyncOp, root=root)
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        root = self._check_rank("broadcast", "src", opts.rootRank)
+        t = self._one("broadcast", tensors)
+        block = tz.as_bytes(t)
+
+        def finish(out):
+            if self.rank() != root:
+                tz.write_bytes(t, out)
+            return [t]
+
+        return self._submit("broadcast", self._key("broadcast", block, static=(root,)), block, finish,
+                            opts.asyncOp)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ScatterOptions()
+        root = self._check_rank("scatter", "src", opts.rootRank)
+        out = self._one("scatter", output_tensors)
+        width = tz.nbytes(out)
+        unit = tz.byte_unit(width)
+        if self.rank() == root:
+            if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
+                raise ValueError(f"scatter: src needs a list of size={self.size()} input tensors")
+            chunks = [_check_device("scatter", t) for t in input_tensors[0]]
+            _check_same_dtype("scatter", [out, *chunks])
+            for t in chunks:
+                _check_numel("scatter", "input", t, out.numel())
+            block = np.stack([_raw(t, unit) for t in chunks])
+        else:
+            block = np.zeros((self.size(), width // unit.itemsize), unit)
+
+        def finish(res):
+            _write_raw(out, res.view(np.uint8))
+            return [out]
+
+        return self._submit("scatter", self._key("scatter", block, static=(root,)), block, finish,
+                            opts.asyncOp)
+
+    # -- all_to_all -------------------------------------------------------------------------------
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        op, n = "all_to_all_single", self.size()
+        opts = opts or dist.AllToAllOptions()
+        output, input = _check_device(op, output), _check_device(op, input)
+        _check_same_dtype(op, [output, input])
+        if not output_split_sizes and not input_split_sizes:
+            if input.numel() != output.numel() or (input.dim() and input.shape[0] % n):
+                raise ValueError(f"{op}: without split sizes, input.shape[0] must divide by group "
+                                 f"size={n} and output.numel() must equal input.numel(); got "
+                                 f"input.shape={tuple(input.shape)}, output.shape={tuple(output.shape)}")
+            block = tz.as_bytes(input).reshape(n, -1)
+
+            def finish(out):
+                tz.write_bytes(output, out)
+                return [output]
+
+            return self._submit(op, self._key("all_to_all", block), block, finish, opts.asyncOp)
+        in_splits = list(input_split_sizes) or [input.shape[0] // n] * n
+        out_splits = list(output_split_sizes) or [output.shape[0] // n] * n
+        for name, splits, t in (("input", in_splits, input), ("output", out_splits, output)):
+            if len(splits) != n or sum(splits) != (t.shape[0] if t.dim() else 1) or min(splits) < 0:
+                raise ValueError(f"{op}: {name}_split_sizes={splits} must be {n} non-negative sizes "
+                                 f"summing to {name}.shape[0]={t.shape[0] if t.dim() else 1}")
+        row = tz.nbytes(input[0]) if input.dim() and input.shape[0] else 0
+        inputs = list(torch.split(input, in_splits)) if input.dim() else [input]
+        outputs = list(torch.split(output, out_splits)) if output.dim() else [output]
+        return self._all_to_all_ragged(op, inputs, outputs, opts.asyncOp, result=[output])
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        op, n = "all_to_all", self.size()
+        opts = opts or dist.AllToAllOptions()
+        if len(output_tensors) != n or len(input_tensors) != n:
+            raise ValueError(f"{op}: needs size={n} input and output tensors, got "
+                             f"{len(input_tensors)} inputs and {len(output_tensors)} outputs")
+        inputs = [_check_device(op, t) for t in input_tensors]
+        outputs = [_check_device(op, t) for t in output_tensors]
+        _check_same_dtype(op, [*inputs, *outputs])
+        return self._all_to_all_ragged(op, inputs, outputs, opts.asyncOp, result=outputs)
+
+    def _all_to_all_ragged(self, op: str, inputs, outputs, async_op: bool, result):
+        """Sizes differ per pair: agree on the size matrix first, then pad to its largest entry.
+
+        Every rank knows only its own row (what it sends) and column (what it receives), so the
+        matrix is all-gathered in a first small program; it also catches mismatched sizes.
+        """
+        n, me = self.size(), self.rank()
+        send = np.array([tz.nbytes(t) for t in inputs], np.int64)
+        recv = [tz.nbytes(t) for t in outputs]
+        work = Work(self._describe(op), self._timeout)
+
+        def task():
+            matrix = self._run_program(op, self._key("all_gather", send), send).reshape(n, n)
+            if list(matrix[:, me]) != recv:
+                raise ValueError(f"{op}: rank {me} expects to receive {recv} bytes from ranks 0..{n - 1} "
+                                 f"but they send {list(matrix[:, me])}: split sizes must agree "
+                                 "(rank i's output split j == rank j's input split i)")
+            width = int(matrix.max())
+            unit = tz.byte_unit(int(np.gcd.reduce([*matrix.reshape(-1), width, 4])))
+            block = np.stack([_padded(_raw(t, unit), width // unit.itemsize) for t in inputs])
+            out = self._run_program(op, self._key("all_to_all", block), block).view(np.uint8)
+            for r, t in enumerate(outputs):
+                _write_raw(t, out[r, :recv[r]])
+            return result
+
+        return self._enqueue(work, task, async_op)
+
+    # -- point to point: a 2-device ppermute, both sides dispatching the same program -------------
+    def send(self, tensors, dst_rank, tag=0):
+        t = self._one("send", tensors)
+        return _P2P.post(self, "send", t, self._check_rank("send", "dst", dst_rank), tag)
+
+    def recv(self, tensors, src_rank, tag=0):
+        t = self._one("recv", tensors)
+        return _P2P.post(self, "recv", t, self._check_rank("recv", "src", src_rank), tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise NotImplementedError(
+            "recv from any source cannot be expressed as an XLA collective: both sides of a "
+            "transfer must run the same program. Pass src= to recv/irecv.")
+
+    # -- synchronisation --------------------------------------------------------------------------
+    def barrier(self, opts=None):
+        block = np.ones(1, np.int32)
+        work = self._submit("barrier", self._key("barrier", block), block, lambda out: [], False)
+        return work
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        from tpudist.process_group.monitor import monitored_barrier
+
+        monitored_barrier(self, timeout or self._timeout, wait_all_ranks)
+
+    def _start_coalescing(self, device=None):
+        if self._coalescing is not None:
+            raise RuntimeError("coalescing already started on this group; end it first")
+        self._coalescing = []
+
+    def _end_coalescing(self, device=None):
+        works, self._coalescing = self._coalescing or [], None
+        work = Work(self._describe("coalesced collectives"), self._timeout)
+
+        def task():  # the stream is FIFO: by now every coalesced collective has run
+            for w in works:
+                w.wait()
+            return [t for w in works for t in (w.get_future().value() or [])]
+
+        return STREAM.submit(work, task, async_op=True)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def _enqueue(self, work: Work, task: Callable[[], Any], async_op: bool) -> Work:
+        _P2P.flush()  # pending sends/recvs were issued first: keep the order on every rank
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+            async_op = True
+        return STREAM.submit(work, task, async_op=async_op)
+
+    def shutdown(self) -> None:
+        _P2P.flush()
+        STREAM.drain()
+        if self._is_world:
+            runtime.shutdown(owner=self)
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+
+
+# -- point to point ---------------------------------------------------------------------------------
+class _DeferredWork(Work):
+    """A send or recv: it runs when waited on, or before the process's next collective."""
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        _P2P.flush()
+        return super().wait(timeout)
+
+    def get_future(self) -> torch.futures.Future:
+        _P2P.flush()
+        return super().get_future()
+
+
+class _PointToPoint:
+    """Pending sends and recvs of this process, issued in one global order.
+
+    XLA has no eager send: a transfer is a 2-device ``ppermute`` that both sides must dispatch. The
+    sides agree on the order without talking by sorting by (sender, receiver, tag), then issue
+    order; ``batch_isend_irecv`` with sends both ways between two ranks therefore cannot deadlock.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple] = []
+        self._seq = 0
+
+    def post(self, group: ProcessGroupTPU, kind: str, t: torch.Tensor, peer: int, tag: int) -> Work:
+        if peer == group.rank():
+            raise ValueError(f"{kind}: rank {peer} cannot {kind} to itself; use a copy")
+        me, other = group.global_ranks[group.rank()], group.global_ranks[peer]
+        src, dst = (me, other) if kind == "send" else (other, me)
+        work = _DeferredWork(f"{kind} {src}->{dst} (tag {tag}) of {tuple(t.shape)} {t.dtype}",
+                             group._timeout)  # noqa: SLF001
+        self._seq += 1
+        self._pending.append(((src, dst, tag), self._seq, group, kind, t, work))
+        return work
+
+    def flush(self) -> None:
+        pending, self._pending = sorted(self._pending, key=lambda p: (p[0], p[1])), []
+        for (src, dst, _), _, group, kind, t, work in pending:
+            STREAM.submit(work, functools.partial(_transfer, group, kind, t, src, dst), async_op=True)
+
+
+def _transfer(group: ProcessGroupTPU, kind: str, t: torch.Tensor, src: int, dst: int):
+    pair = (min(src, dst), max(src, dst))
+    unit = tz.byte_unit(tz.nbytes(t))
+    block = _raw(t, unit) if kind == "send" else np.zeros(tz.nbytes(t) // unit.itemsize, unit)
+    key = ProgramKey("permute", tuple(block.shape), block.dtype.name, pair,
+                     static=((pair.index(src), pair.index(dst)),))
+    out = group._run_program(kind, key, block)  # noqa: SLF001
+    if kind == "recv":
+        _write_raw(t, out.view(np.uint8))
+    return [t]
+
+
+_P2P = _PointToPoint()
+
+
+# -- checks and byte helpers ------------------------------------------------------------------------
+def _check_device(op: str, t: Any) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{op}: tensor is on device={t.device}, but tpudist ranks hold their data on "
+                         "the host (cpu) in this release; move it with .cpu()")
+    if t.is_sparse:
+        raise TypeError(f"{op}: sparse tensors are not supported; pass t.to_dense()")
+    return t
+
+
+def _check_same_dtype(op: str, tensors: list[torch.Tensor]) -> None:
+    dtypes = sorted({str(t.dtype) for t in tensors})
+    if len(dtypes) > 1:
+        raise TypeError(f"{op}: all tensors must have one dtype, got dtypes={dtypes}")
+
+
+def _check_numel(op: str, what: str, t: torch.Tensor, numel: int) -> None:
+    if t.numel() != numel:
+        raise ValueError(f"{op}: {what} has {t.numel()} elements (shape {tuple(t.shape)}) but "
+                         f"{numel} are needed")
+
+
+class _Sized:
+    """Stands for an output a rank does not hold (gather on a non-root rank): only its size."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+
+def _nbytes(t: Any) -> int:
+    return t.nbytes if isinstance(t, _Sized) else tz.nbytes(t)
+
+
+def _raw(t: torch.Tensor, unit: np.dtype) -> np.ndarray:
+    return tz.as_bytes(t).view(unit)
+
+
+def _write_raw(t: Any, raw: np.ndarray) -> None:
+    if isinstance(t, torch.Tensor):
+        tz.write_bytes(t, raw)
+
+
+def _padded(arr: np.ndarray, width: int) -> np.ndarray:
+    if arr.shape[0] == width:
+        return arr
+    out = np.zeros(width, arr.dtype)
+    out[:arr.shape[0]] = arr
+    return out
+
+
+def _done_work(description: str, timeout: timedelta, result: Any) -> Work:
+    work = Work(description, timeout)
+    work._finish(result, None)  # noqa: SLF001
+    return work

@@ -1,0 +1,150 @@
+"""The process-wide JAX runtime behind every "tpu" process group.
+
+One runtime per process: the first "tpu" world group boots ``jax.distributed`` (coordinator address
+agreed through the c10d store), later groups only build meshes over its devices. Destroying the
+world group shuts it down, so a new world (of any size) can start in the same process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+_COORDINATOR_KEY = "tpudist/jax_coordinator"
+# JAX's heartbeat decides how long survivors of a crashed peer live on; keep it near the c10d timeout.
+_MIN_HEARTBEAT_S = 10
+_PLATFORM_ENV = "TPUDIST_PLATFORM"
+
+
+class RuntimeStateError(RuntimeError):
+    """The JAX runtime is in a state that does not allow the request."""
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """The booted JAX multi-process runtime of this process."""
+
+    platform: str
+    process_id: int
+    num_processes: int
+    devices: tuple[Any, ...]  # jax devices, index = global torch rank
+
+    def device(self, global_rank: int) -> Any:
+        return self.devices[global_rank]
+
+    @property
+    def local_device(self) -> Any:
+        return self.devices[self.process_id]
+
+
+_lock = threading.Lock()
+_runtime: Runtime | None = None
+_owner_id: int | None = None  # id() of the world group that booted the runtime
+
+
+def current() -> Runtime:
+    if _runtime is None:
+        raise RuntimeStateError("no tpu process group is initialised: call "
+                                'torch.distributed.init_process_group("tpu") first')
+    return _runtime
+
+
+def is_booted() -> bool:
+    return _runtime is not None
+
+
+def _platform() -> str:
+    """"cpu" emulates chips with processes; "tpu" drives real chips (TPUDIST_PLATFORM overrides)."""
+    explicit = os.environ.get(_PLATFORM_ENV)
+    if explicit:
+        if explicit not in ("cpu", "tpu"):
+            raise ValueError(f"{_PLATFORM_ENV}={explicit!r} is not a platform: use 'cpu' or 'tpu'")
+        return explicit
+    import importlib.util
+
+    return "tpu" if importlib.util.find_spec("libtpu") is not None else "cpu"
+
+
+def _collective_timeout_flag(timeout: timedelta) -> None:
+    # XLA:CPU ignores the c10d timeout unless this flag is set before the backend starts (FACTS.md).
+    seconds = max(1, int(timeout.total_seconds()))
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_collective_timeout_seconds" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_timeout_seconds={seconds}".strip()
+
+
+def _coordinator_host() -> str:
+    # Bind to the rendezvous host, never to all interfaces.
+    return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: object) -> Runtime:
+    """Starts JAX's multi-process runtime for this world; a no-op if it already runs."""
+    global _runtime, _owner_id
+    with _lock:
+        if _runtime is not None:
+            if (_runtime.process_id, _runtime.num_processes) != (rank, world_size):
+                raise RuntimeStateError(
+                    f"the tpu runtime already runs as rank={_runtime.process_id} of "
+                    f"world_size={_runtime.num_processes}, not rank={rank} of world_size={world_size}: "
+                    "destroy_process_group() before starting another world")
+            return _runtime
+        import jax
+
+        platform = _platform()
+        if platform == "cpu":
+            _collective_timeout_flag(timeout)
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if rank == 0:
+            host = _coordinator_host()
+            store.set(_COORDINATOR_KEY, f"{host}:{_free_port(host)}")
+        address = store.get(_COORDINATOR_KEY).decode()
+        seconds = max(_MIN_HEARTBEAT_S, int(timeout.total_seconds()))
+        try:
+            jax.distributed.initialize(
+                coordinator_address=address, num_processes=world_size, process_id=rank,
+                coordinator_bind_address=address, initialization_timeout=seconds,
+                heartbeat_timeout_seconds=seconds, shutdown_timeout_seconds=seconds)
+        except RuntimeError as e:
+            raise RuntimeStateError(
+                f"could not start JAX's distributed runtime at {address} (rank={rank}, "
+                f"world_size={world_size}): {e}. If JAX was used in this process before "
+                'init_process_group("tpu"), create the process group first.') from e
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        by_process = {}
+        for d in devices:
+            by_process.setdefault(d.process_index, d)  # one chip (device) per process
+        _runtime = Runtime(platform, rank, world_size, tuple(by_process[r] for r in range(world_size)))
+        _owner_id = id(owner)
+        return _runtime
+
+
+def shutdown(owner: object) -> None:
+    """Shuts the runtime down if ``owner`` booted it (destroying the world group)."""
+    global _runtime, _owner_id
+    with _lock:
+        if _runtime is None or _owner_id != id(owner):
+            return
+        import jax
+        import jax.extend.backend
+
+        from tpudist.process_group import programs
+
+        programs.clear_cache()
+        try:
+            jax.distributed.shutdown()
+        finally:
+            jax.clear_caches()
+            jax.extend.backend.clear_backends()
+            _runtime, _owner_id = None, None

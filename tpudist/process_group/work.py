@@ -1,0 +1,125 @@
+"""Works and the per-process communication stream.
+
+Collectives must run in the same order on every rank, so all of a process's collectives go through
+one FIFO stream. A synchronous call with nothing queued runs inline (no thread hand-off on the
+latency path); an ``async_op=True`` call is queued and runs on the stream's thread while the caller
+goes on, so communication overlaps computation for real.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or did not complete; the message names the op, group and ranks."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A collective did not complete within the group's timeout."""
+
+
+class Work(dist._Work):  # noqa: SLF001 - the documented way to return works from Python groups
+    """The handle of one collective: ``wait()`` returns when its outputs hold the result."""
+
+    def __init__(self, description: str, timeout: timedelta):
+        super().__init__()
+        self._description = description
+        self._timeout = timeout
+        self._done = threading.Event()
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._exception: BaseException | None = None
+
+    # -- completion (called by the stream) --------------------------------------------------------
+    def _finish(self, result: Any, exception: BaseException | None) -> None:
+        self._exception = exception
+        self._done.set()
+        if exception is None:
+            self._future.set_result(result)
+        else:
+            self._future.set_exception(exception)
+
+    # -- the c10d Work interface ------------------------------------------------------------------
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        limit = timeout if timeout.total_seconds() > 0 else self._timeout
+        if not self._done.wait(limit.total_seconds()):
+            raise CollectiveTimeout(f"{self._description} did not complete within "
+                                    f"{limit.total_seconds():.0f}s")
+        if self._exception is not None:
+            raise self._exception
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exception is None
+
+    def exception(self):
+        return self._exception
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._future.value()
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+class CommStream:
+    """Runs a process's collectives one at a time, in issue order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Work, task: Callable[[], Any], *, async_op: bool) -> Work:
+        with self._lock:
+            inline = not async_op and self._pending == 0
+            self._pending += 1
+            if not inline:
+                self._ensure_thread()
+                self._queue.put((work, task))
+        if inline:
+            self._run(work, task)
+        return work
+
+    def drain(self) -> None:
+        """Blocks until every queued collective has run."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="tpudist-comm", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            work, task = self._queue.get()
+            self._run(work, task)
+
+    def _run(self, work: Work, task: Callable[[], Any]) -> None:
+        try:
+            result, error = task(), None
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the work
+            result, error = None, e
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
+        work._finish(result, error)  # noqa: SLF001
+
+
+STREAM = CommStream()

@@ -1,0 +1,17 @@
+"""Multi-process test harness: N real rank processes, one per emulated chip.
+
+Example:
+    >>> from tpudist.testing import RankPool
+    >>> def add_one(rank):
+    ...     import torch, torch.distributed as dist
+    ...     t = torch.tensor([float(dist.get_rank())])
+    ...     dist.all_reduce(t)
+    ...     return t.item()
+    >>> with RankPool(2) as pool:
+    ...     pool.run(add_one)            # one result per rank
+    [1.0, 1.0]
+"""
+
+from tpudist.testing._pool import RankError, RankPool, RankTimeout, free_port, run_ranks
+
+__all__ = ["RankError", "RankPool", "RankTimeout", "free_port", "run_ranks"]
