@@ -1,0 +1,71 @@
+"""The tpudist command line: ``python -m tpudist <command> ...`` (or the ``tpudist`` script).
+
+    python -m tpudist describe v5p:4x4x4 --mesh 4x16 --axes dp,tp --plot mesh.png
+
+Each command is a small function registered on its own subparser; add new ones (e.g. ``train``) the
+same way. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _describe(args: argparse.Namespace) -> int:
+    from tpudist.mesh import Topology, describe, plot_mesh
+
+    topology = Topology.parse(args.topology)
+    if args.axes and not args.mesh:
+        raise _UsageError("--axes names mesh axes: pass --mesh too, e.g. --mesh 4x16 --axes dp,tp")
+    if not args.mesh:
+        if args.plot:
+            raise _UsageError("--plot draws a mesh: pass --mesh too, e.g. --mesh 4x16")
+        print(describe(topology))
+        return 0
+    layout = topology.mesh_layout(args.mesh, axis_names=args.axes,
+                                  allow_split_physical_axes=args.allow_split)
+    print(describe(layout))
+    if args.plot:
+        path = plot_mesh(topology, layout.mesh_shape, layout.axis_names, args.plot,
+                         color_axis=args.color_axis,
+                         allow_split_physical_axes=args.allow_split)
+        print(f"wrote {path}")
+    return 0
+
+
+class _UsageError(ValueError):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tpudist", description="Run PyTorch distributed training on TPU slices.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    describe = commands.add_parser(
+        "describe", help="describe a TPU slice and, optionally, a mesh laid onto it")
+    describe.add_argument("topology", help="slice, e.g. v5p:4x4x4, v5e:2x4 or v5p:8 (chip count)")
+    describe.add_argument("--mesh", help="mesh shape, least network-bound axis first, e.g. 4x16")
+    describe.add_argument("--axes", help="mesh axis names, e.g. dp,tp")
+    describe.add_argument("--allow-split", action="store_true",
+                          help="let two mesh axes share a physical axis")
+    describe.add_argument("--plot", metavar="PNG", help="also draw the mesh to this PNG")
+    describe.add_argument("--color-axis", help="mesh axis that colours the plot (default: last)")
+    describe.set_defaults(run=_describe)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one command; returns the exit status (2 for bad input, with the reason on stderr)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, ImportError) as exc:  # TopologyError is a ValueError
+        print(f"tpudist {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
