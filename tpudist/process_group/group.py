@@ -392,7 +392,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 raise ValueError(f"{op}: without split sizes, input.shape[0] must divide by group "
                                  f"size={n} and output.numel() must equal input.numel(); got "
                                  f"input.shape={tuple(input.shape)}, output.shape={tuple(output.shape)}")
-            block = tz.as_bytes(input).reshape(n, -1)
+            block = _raw(input, tz.byte_unit(tz.nbytes(input) // n)).reshape(n, -1)
 
             def finish(out):
                 tz.write_bytes(output, out)

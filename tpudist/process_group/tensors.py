@@ -44,10 +44,8 @@ def as_numeric(t: torch.Tensor) -> np.ndarray:
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
     """The raw bytes of ``t`` as a flat numpy view: int32 words when they divide, else uint8."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    if flat.numel() % 4 == 0:
-        flat = flat.view(torch.int32)
-    return flat.numpy()
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return flat.view(np.int32) if flat.size % 4 == 0 else flat  # numpy views ignore alignment
 
 
 def byte_unit(nbytes: int) -> np.dtype:

@@ -184,8 +184,8 @@ class RankPool:
                     results[rank] = ("err", f"rank {rank} died (exit code {self._procs[rank].poll()})")
         failures = {r: v for r, (status, v) in results.items() if status == "err"}
         if failures:
-            if any(r[1].startswith(f"rank {k} died") for k, r in results.items() if r[0] == "err"):
-                self.close(graceful=False)
+            # A failed collective can leave communicators poisoned: the next run starts afresh.
+            self.close(graceful=False)
             raise RankError(failures)
         return [results[r][1] for r in range(self.world_size)]
 

@@ -1,0 +1,140 @@
+"""The training loop: build the parallel model from a :class:`TrainConfig`, then step, log, checkpoint."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tpudist.training.advisor import advise, resolve_generation
+from tpudist.training.checkpoint import Checkpointer
+from tpudist.training.config import TrainConfig
+from tpudist.training.data import MarkovTask
+from tpudist.training.metrics import MetricsLogger, StepMetrics
+from tpudist.training.model import Transformer
+from tpudist.training.parallelize import ParallelDims, build_mesh, dp_coordinate, parallelize
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step ``step`` (1-based): linear warm-up, cosine decay to 10%."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(1, cfg.warmup_steps)
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> float:
+    """Clips the global 2-norm of the gradients to ``max_norm``; returns the norm before clipping.
+
+    Unlike ``torch.nn.utils.clip_grad_norm_`` it accepts gradients that are DTensors on different
+    meshes (FSDP+TP: block weights on ``(dp_shard, tp)``, norms and embeddings on ``dp_shard``):
+    the norm is reduced per mesh, then the per-mesh norms are combined locally.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        by_mesh[grad.device_mesh if isinstance(grad, DTensor) else None].append(grad)
+    total_sq = torch.zeros((), dtype=torch.float32)
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        total_sq += norm.float() ** 2
+    total = float(total_sq.sqrt())
+    if max_norm > 0 and total > max_norm:
+        coef = max_norm / (total + 1e-6)
+        for grad in grads:
+            grad.mul_(coef)
+    return total
+
+
+class Trainer:
+    """Owns the model, optimizer, data, checkpoints and metrics of one run.
+
+    Example (under ``torchrun``):
+        >>> Trainer(TrainConfig(steps=10)).train()   # doctest: +SKIP
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            dist.init_process_group(cfg.backend)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dims = ParallelDims.from_sizes(cfg.mesh, self.world_size)
+        if cfg.global_batch % self.dims.dp:
+            raise ValueError(f"global_batch={cfg.global_batch} must be divisible by the data-parallel degree "
+                             f"dp_replicate*dp_shard={self.dims.dp}")
+        self.model_args = cfg.model_args()
+        self.log = MetricsLogger(enabled=self.rank == 0, path=cfg.metrics_path, log_every=cfg.log_every)
+        self.mesh = build_mesh(self.dims)
+        self.dp_rank, self.dp_size = dp_coordinate(self.mesh)
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank before sharding
+        self.model = parallelize(Transformer(self.model_args), self.mesh, parallelism=cfg.parallelism,
+                                 param_dtype=_DTYPES[cfg.param_dtype],
+                                 reshard_after_forward=cfg.reshard_after_forward,
+                                 activation_checkpoint=cfg.activation_checkpoint)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.task = MarkovTask(cfg.vocab_size, cfg.seq_len, seed=cfg.data_seed, branching=cfg.branching)
+        self.checkpointer = Checkpointer(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+
+    def _announce(self) -> None:
+        generation = resolve_generation(self.cfg.tpu_generation)
+        self.log.print(f"{self.cfg.parallelism} on backend={dist.get_backend()} world_size={self.world_size} "
+                       f"mesh(dp_replicate,dp_shard,tp)={self.dims.sizes} params={self.model_args.num_params():,} "
+                       f"loss floor={self.task.entropy_rate():.3f}")
+        for advice in advise(self.model_args, generation):
+            self.log.print(f"advisor[{generation}]: {advice}")
+
+    def train_step(self, step: int) -> StepMetrics:
+        """One optimizer step on the batch of ``step``; returns the metrics (loss averaged over ranks)."""
+        cfg = self.cfg
+        start = time.perf_counter()
+        inputs, targets = self.task.batch(step, cfg.global_batch, self.dp_rank, self.dp_size)
+        lr = lr_at(step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        grad_norm = clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+        return StepMetrics(step=step, loss=float(mean_loss), lr=lr, grad_norm=grad_norm,
+                           step_time_s=time.perf_counter() - start, tokens=cfg.global_batch * cfg.seq_len)
+
+    def train(self) -> list[StepMetrics]:
+        """Runs (or resumes) to ``cfg.steps``; returns this run's metrics, one per step taken."""
+        cfg = self.cfg
+        self._announce()
+        start_step = 0
+        if cfg.resume:
+            start_step = self.checkpointer.load_latest(self.model, self.optimizer)
+            self.log.print(f"resumed from step {start_step}" if start_step else
+                           f"no complete checkpoint in {cfg.checkpoint_dir}: starting at step 0")
+        history = []
+        last_step = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+        for step in range(start_step + 1, last_step + 1):
+            metrics = self.train_step(step)
+            history.append(metrics)
+            self.log.log(metrics)
+            if self.checkpointer and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+                path = self.checkpointer.save(self.model, self.optimizer, step)
+                self.log.print(f"checkpoint saved: {path}")
+        return history
+
+    def close(self) -> None:
+        self.log.close()
+        if self._owns_group:
+            dist.destroy_process_group()
