@@ -8,17 +8,19 @@ the program to the process's comm stream. Results are written back into the call
 from __future__ import annotations
 
 import functools
+import gc
 from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from tpudist.process_group import programs, runtime
 from tpudist.process_group import tensors as tz
 from tpudist.process_group.programs import ProgramKey
-from tpudist.process_group.work import STREAM, CollectiveError, Work
+from tpudist.process_group.work import STREAM, CollectiveError, CollectiveMismatch, Work
 
 BACKEND_NAME = "tpu"
 
@@ -112,19 +114,35 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     def _run_program(self, op: str, key: ProgramKey, block: np.ndarray) -> np.ndarray:
         import jax
-        from jax.sharding import NamedSharding, PartitionSpec
 
         fn = programs.program(key)
-        mesh = programs.mesh_of(key.group)
+        fingerprint = programs.fingerprint(key)
         try:
             with jax.enable_x64(tz.needs_x64(block.dtype)):
-                local = jax.device_put(block[None], runtime.current().local_device)
-                arr = jax.make_array_from_single_device_arrays(
-                    (len(key.group), *block.shape), NamedSharding(mesh, PartitionSpec(programs.AXIS)),
-                    [local])
-                return np.asarray(fn(arr).addressable_data(0))[0]
+                out, fingerprints = fn(self._global(key, block), self._global(key, fingerprint))
+                fingerprints = np.asarray(fingerprints.addressable_data(0))[0]
+                result = np.asarray(out.addressable_data(0))[0]
         except Exception as e:  # XLA raises ValueError/JaxRuntimeError: make it a c10d-style error
             raise CollectiveError(f"{self._describe(op)} failed on rank {self.rank()}: {e}") from e
+        if not (fingerprints == fingerprint).all():
+            calls = "; ".join(f"rank {r} called {programs.describe_fingerprint(fp)}"
+                              for r, fp in enumerate(fingerprints))
+            raise CollectiveMismatch(
+                f"{self._describe(op)}: ranks issued different collectives ({calls}). Every rank of "
+                "a group must issue the same collectives, with the same shapes, dtypes and reduce "
+                "ops, in the same order; no data was exchanged.")
+        return result
+
+    @staticmethod
+    def _global(key: ProgramKey, block: np.ndarray):
+        """The global array whose row i is group rank i's block (only our row is local)."""
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        mesh = programs.mesh_of(key.group)
+        local = jax.device_put(block[None], runtime.current().local_device)
+        return jax.make_array_from_single_device_arrays(
+            (len(key.group), *block.shape), NamedSharding(mesh, PartitionSpec(programs.AXIS)), [local])
 
     def _key(self, op: str, block: np.ndarray, reduce: str | None = None, static: tuple = ()) -> ProgramKey:
         return ProgramKey(op, tuple(block.shape), block.dtype.name, self._global_ranks, reduce, static)
@@ -255,7 +273,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     # -- data movement (raw bytes) ----------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or c10d.AllgatherOptions()
         inp = self._one("all_gather", input_tensors)
         if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
             raise ValueError(f"all_gather: needs a list of size={self.size()} output tensors, got "
@@ -266,12 +284,12 @@ class ProcessGroupTPU(dist.ProcessGroup):
         return self._gather_bytes("all_gather", [inp], [outs], opts.asyncOp)
 
     def all_gather_single(self, output, input, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or c10d.AllgatherOptions()
         return self.all_gather_single_coalesced([output], [input], opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         op = "all_gather_into_tensor"
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or c10d.AllgatherOptions()
         outputs = [_check_device(op, t) for t in outputs]
         inputs = [_check_device(op, t) for t in inputs]
         for out, inp in zip(outputs, inputs, strict=True):
@@ -293,7 +311,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or c10d.AllgatherOptions()
         inputs = [_check_device("all_gather_coalesced", t) for t in input_list]
         if len(output_lists) != len(inputs):
             raise ValueError(f"all_gather_coalesced: {len(output_lists)} output lists for "
@@ -424,20 +442,24 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def _all_to_all_ragged(self, op: str, inputs, outputs, async_op: bool, result):
         """Sizes differ per pair: agree on the size matrix first, then pad to its largest entry.
 
-        Every rank knows only its own row (what it sends) and column (what it receives), so the
-        matrix is all-gathered in a first small program; it also catches mismatched sizes.
+        Every rank knows only its own row (what it sends) and column (what it receives), so both are
+        all-gathered in a first small program; that also catches split sizes that do not agree.
         """
-        n, me = self.size(), self.rank()
-        send = np.array([tz.nbytes(t) for t in inputs], np.int64)
+        n = self.size()
         recv = [tz.nbytes(t) for t in outputs]
+        sizes = np.array([tz.nbytes(t) for t in inputs] + recv, np.int64)
         work = Work(self._describe(op), self._timeout)
 
         def task():
-            matrix = self._run_program(op, self._key("all_gather", send), send).reshape(n, n)
-            if list(matrix[:, me]) != recv:
-                raise ValueError(f"{op}: rank {me} expects to receive {recv} bytes from ranks 0..{n - 1} "
-                                 f"but they send {list(matrix[:, me])}: split sizes must agree "
-                                 "(rank i's output split j == rank j's input split i)")
+            # Every rank gets every row and column, so every rank reaches the same verdict.
+            both = self._run_program(op, self._key("all_gather", sizes), sizes).reshape(n, 2, n)
+            matrix, expected = both[:, 0, :], both[:, 1, :].T  # [sender, receiver]
+            if not (matrix == expected).all():
+                bad = [(int(i), int(j)) for i, j in zip(*np.nonzero(matrix != expected))]
+                raise ValueError(
+                    f"{op}: split sizes must agree (rank i's output split j == rank j's input split "
+                    f"i); in bytes, sender->receiver sends/expects: "
+                    + ", ".join(f"{i}->{j}: {matrix[i, j]}/{expected[i, j]}" for i, j in bad))
             width = int(matrix.max())
             unit = tz.byte_unit(int(np.gcd.reduce([*matrix.reshape(-1), width, 4])))
             block = np.stack([_padded(_raw(t, unit), width // unit.itemsize) for t in inputs])
@@ -502,6 +524,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
         STREAM.drain()
         if self._is_world:
             runtime.shutdown(owner=self)
+        # Release the store: a TCPStore server kept alive here would still accept the clients of
+        # the next world's rendezvous on the same port (and so would one held in a reference cycle).
+        self._store = None
+        if self._is_world:
+            gc.collect()
 
     def abort(self) -> None:
         self.shutdown()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,6 +24,9 @@ AXIS = "ranks"
 # ReduceOp names (lower case) as they appear in keys and errors.
 SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM = (
     "sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum")
+_REDUCES = (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM)
+_DTYPE_NAMES = ("bfloat16", "bool", "complex128", "complex64", "float16", "float32", "float64",
+                "int16", "int32", "int64", "int8", "uint8")
 _FOLDED = {PRODUCT: "multiply", BAND: "bitwise_and", BOR: "bitwise_or", BXOR: "bitwise_xor"}
 
 
@@ -97,13 +101,48 @@ def program(key: ProgramKey) -> Callable[[Any], Any]:
     return fn
 
 
+def fingerprint(key: ProgramKey) -> np.ndarray:
+    """What a rank is about to run, as 4 int32: op, reduce and dtype, element count, and a hash of
+    the rest. Ranks compare it inside the program before any data moves (see :func:`_build`)."""
+    ops, dtypes = sorted(LOWERINGS), sorted(_DTYPE_NAMES)
+    reduce_code = _REDUCES.index(key.reduce) + 1 if key.reduce else 0
+    numel = int(np.prod(key.shape, dtype=np.int64))
+    digest = zlib.crc32(repr((key.op, key.shape, key.dtype, key.reduce, key.static)).encode())
+    return np.array([ops.index(key.op), reduce_code * 256 + dtypes.index(key.dtype),
+                     numel & 0x7FFFFFFF, digest - 2**31], np.int32)
+
+
+def describe_fingerprint(fp: np.ndarray) -> str:
+    ops, dtypes = sorted(LOWERINGS), sorted(_DTYPE_NAMES)
+    reduce_code, dtype_code = divmod(int(fp[1]), 256)
+    reduce = f" {_REDUCES[reduce_code - 1]}" if reduce_code else ""
+    return f"{ops[int(fp[0])]}{reduce} of {int(fp[2])} x {dtypes[dtype_code]}"
+
+
 def _build(key: ProgramKey) -> Callable[[Any], Any]:
+    """The program: agree on fingerprints first, and move data only if every rank agrees.
+
+    Ranks that disagree (different op, shape, dtype or reduce op: legal to write, wrong to run)
+    would otherwise exchange mismatched buffers: garbage or a hang. The check is one all_gather of
+    16 bytes per rank inside the same program; the data collective runs under a ``lax.cond`` that
+    every rank evaluates identically.
+    """
     import jax
+    import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     body = LOWERINGS[key.op](key)
-    mapped = jax.shard_map(lambda x: body(x[0])[None], mesh=mesh_of(key.group), in_specs=P(AXIS),
-                           out_specs=P(AXIS), check_vma=False)
+
+    def checked(x, fp):
+        out_shape = jax.eval_shape(body, x[0])  # inside shard_map: the axis name is bound
+        fps = jax.lax.all_gather(fp[0], AXIS, axis=0, tiled=False)
+        agree = jnp.all(fps == fps[0:1])
+        out = jax.lax.cond(agree, lambda v: body(v[0]),
+                           lambda v: jnp.zeros(out_shape.shape, out_shape.dtype), x)
+        return out[None], fps[None]
+
+    mapped = jax.shard_map(checked, mesh=mesh_of(key.group), in_specs=(P(AXIS), P(AXIS)),
+                           out_specs=(P(AXIS), P(AXIS)), check_vma=False)
     return jax.jit(mapped)
 
 

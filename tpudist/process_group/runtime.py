@@ -121,6 +121,9 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
                 f"could not start JAX's distributed runtime at {address} (rank={rank}, "
                 f"world_size={world_size}): {e}. If JAX was used in this process before "
                 'init_process_group("tpu"), create the process group first.') from e
+        if rank == 0:
+            # Everyone has registered, so everyone has read the address: a later world must not.
+            store.delete_key(_COORDINATOR_KEY)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         by_process = {}
         for d in devices:

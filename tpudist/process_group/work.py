@@ -21,6 +21,10 @@ class CollectiveError(RuntimeError):
     """A collective failed or did not complete; the message names the op, group and ranks."""
 
 
+class CollectiveMismatch(CollectiveError, ValueError):
+    """Ranks of a group issued different collectives (op, shape, dtype or reduce op)."""
+
+
 class CollectiveTimeout(CollectiveError, TimeoutError):
     """A collective did not complete within the group's timeout."""
 
@@ -39,11 +43,11 @@ class Work(dist._Work):  # noqa: SLF001 - the documented way to return works fro
     # -- completion (called by the stream) --------------------------------------------------------
     def _finish(self, result: Any, exception: BaseException | None) -> None:
         self._exception = exception
-        self._done.set()
         if exception is None:
             self._future.set_result(result)
         else:
             self._future.set_exception(exception)
+        self._done.set()  # last: whoever wait()s may read the future at once
 
     # -- the c10d Work interface ------------------------------------------------------------------
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -110,6 +114,7 @@ class CommStream:
         while True:
             work, task = self._queue.get()
             self._run(work, task)
+            del work, task  # an idle thread must not keep the last group (and its store) alive
 
     def _run(self, work: Work, task: Callable[[], Any]) -> None:
         try:

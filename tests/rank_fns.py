@@ -1,0 +1,116 @@
+"""Rank-side functions of the backend tests (module level, so rank processes can import them)."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def mismatched(kind: str):
+    r = dist.get_rank()
+    try:
+        if kind == "shape":
+            dist.all_reduce(torch.ones(3 + r))
+        elif kind == "dtype":
+            dist.all_reduce(torch.ones(4, dtype=torch.float32 if r == 0 else torch.int32))
+        elif kind == "reduce_op":
+            dist.all_reduce(torch.ones(4), dist.ReduceOp.SUM if r == 0 else dist.ReduceOp.MAX)
+        elif kind == "op":
+            t = torch.ones(4)
+            dist.all_reduce(t) if r == 0 else dist.broadcast(t, 0)
+        elif kind == "all_to_all_splits":
+            out = torch.zeros(3)
+            dist.all_to_all_single(out, torch.ones(3), [1, 2], [2, 1] if r == 0 else [1, 2])
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        outcome = f"{type(e).__name__}: {e}"
+    t = torch.ones(2)  # the group must still work afterwards
+    dist.all_reduce(t)
+    return outcome, t.tolist()
+
+
+def bad_input(kind: str):
+    try:
+        if kind == "meta_device":
+            dist.all_reduce(torch.ones(2, device="meta"))
+        elif kind == "avg_int":
+            dist.all_reduce(torch.ones(2, dtype=torch.int32), dist.ReduceOp.AVG)
+        elif kind == "band_float":
+            dist.all_reduce(torch.ones(2), dist.ReduceOp.BAND)
+        elif kind == "gather_list_dtype":
+            # straight to the backend: torch's own wrapper checks dtypes before it gets there
+            dist.group.WORLD.allgather([[torch.zeros(2), torch.zeros(2, dtype=torch.int64)]],
+                                       [torch.ones(2)])
+        elif kind == "gather_list_len":
+            dist.all_gather([torch.zeros(2)], torch.ones(2))
+        elif kind == "reduce_scatter_size":
+            dist.reduce_scatter_single(torch.zeros(3), torch.ones(4))
+        elif kind == "broadcast_src":
+            dist.broadcast(torch.ones(2), src=0, group=dist.group.WORLD, group_src=7)
+        elif kind == "recv_anysource":
+            dist.recv(torch.zeros(2))
+        elif kind == "a2a_split_sum":
+            dist.all_to_all_single(torch.zeros(4), torch.zeros(4), [1, 1], [3, 3])
+        return "no error"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+def reinit_twice(rendezvous_dir: str):
+    """destroy_process_group() then a fresh init_process_group("tpu") in the same process.
+
+    Each world meets in its own FileStore: re-using one TCP port races with the old TCPStore
+    server, which torch keeps until after the backend has shut down (a torch matter, not ours).
+    """
+    sums = []
+    for world in range(2):
+        dist.init_process_group("tpu", init_method=f"file://{rendezvous_dir}/world{world}",
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timedelta(seconds=60))
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        sums.append(t.item())
+        dist.destroy_process_group()
+    return sums
+
+
+def async_and_cache():
+    from tpudist.process_group import cache_stats
+
+    t = torch.arange(1000, dtype=torch.float32)
+    dist.all_reduce(t)  # compile
+    before = cache_stats().misses
+    works = [dist.all_reduce(torch.full((1000,), float(i)), async_op=True) for i in range(4)]
+    mid = [w.is_completed() for w in works]
+    for w in works:
+        w.wait()
+    results = [w.result()[0][0].item() for w in works]
+    fut = dist.all_reduce(torch.ones(17), async_op=True).get_future()
+    fut_value = fut.wait()[0].tolist()[:3]
+    return {"new_programs": cache_stats().misses - before, "results": results, "fut": fut_value,
+            "completed": [w.is_completed() for w in works], "queued_before_wait": mid}
+
+
+def rank_topology():
+    from tpudist.mesh import Topology
+
+    topo = Topology.parse(os.environ["TPUDIST_TOPOLOGY"])
+    return topo.coords(dist.get_rank())
+
+
+def monitored(skip_rank: int):
+    from tpudist import monitored_barrier
+
+    if dist.get_rank() == skip_rank:
+        time.sleep(3)
+        return "skipped"
+    t0 = time.monotonic()
+    try:
+        monitored_barrier(dist.group.WORLD, timedelta(seconds=1), wait_all_ranks=True)
+        return "passed"
+    except RuntimeError as e:
+        return f"{e} after {time.monotonic() - t0:.1f}s"

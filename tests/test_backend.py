@@ -1,0 +1,106 @@
+"""The "tpu" backend's contract beyond the data: registration, errors, re-init, async, caching."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import rank_fns
+from tpudist.testing import RankPool, free_port, run_ranks
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2, backend="tpu", timeout=120) as p:
+        yield p
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("shape", "rank 0 called all_reduce sum of 3 x float32; rank 1 called all_reduce sum of 4 x float32"),
+    ("dtype", "rank 0 called all_reduce sum of 4 x float32; rank 1 called all_reduce sum of 4 x int32"),
+    ("reduce_op", "rank 0 called all_reduce sum of 4 x float32; rank 1 called all_reduce max of 4 x float32"),
+    ("op", "rank 0 called all_reduce sum of 4 x float32; rank 1 called broadcast of 4 x int32"),
+    ("all_to_all_splits", "split sizes must agree"),
+])
+def test_ranks_that_disagree_get_an_error_not_garbage(pool, kind, expected):
+    results = pool.run(rank_fns.mismatched, kind)
+    for outcome, after in results:
+        assert expected in outcome
+        assert after == [2.0, 2.0]  # no data moved, and the group still works
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("meta_device", "ValueError: all_reduce: tensor is on device=meta, but tpudist ranks hold their data "
+                    "on the host (cpu) in this release; move it with .cpu()"),
+    ("avg_int", "TypeError: all_reduce: reduce_op=AVG needs a floating or complex tensor, got "
+                "dtype=torch.int32; use SUM and divide"),
+    ("band_float", "TypeError: all_reduce: reduce_op=BAND needs an integer or bool tensor, got "
+                   "dtype=torch.float32"),
+    ("gather_list_dtype", "TypeError: all_gather: all tensors must have one dtype, got "
+                          "dtypes=['torch.float32', 'torch.int64']"),
+    ("gather_list_len", "needs a list of size=2 output tensors, got [1]"),
+    ("reduce_scatter_size", "ValueError: reduce_scatter_tensor: input has 4 elements (shape (4,)) but 6 "
+                            "are needed"),
+    ("recv_anysource", "NotImplementedError: recv from any source cannot be expressed as an XLA "
+                       "collective"),
+    ("a2a_split_sum", "ValueError: all_to_all_single: input_split_sizes=[3, 3] must be 2 non-negative "
+                      "sizes summing to input.shape[0]=4"),
+])
+def test_bad_input_is_refused_with_the_rule_and_the_values(pool, kind, expected):
+    for outcome in pool.run(rank_fns.bad_input, kind):
+        assert expected in outcome
+
+
+def test_async_ops_complete_in_order_and_programs_are_cached(pool):
+    for res in pool.run(rank_fns.async_and_cache):
+        assert res["results"] == [0.0, 2.0, 4.0, 6.0]
+        assert res["completed"] == [True] * 4
+        assert res["fut"] == [2.0, 2.0, 2.0]
+        assert res["new_programs"] == 1  # the 1000-element program is reused; only the 17-element one is new
+
+
+def test_destroy_then_init_again_in_the_same_process(tmp_path):
+    results = run_ranks(2, rank_fns.reinit_twice, str(tmp_path), backend=None, timeout=180)
+    assert results == [[3.0, 3.0]] * 2
+
+
+def test_ranks_get_chip_coordinates_of_the_emulated_topology():
+    coords = run_ranks(4, rank_fns.rank_topology, topology="v5p:2x2x1", timeout=180)
+    assert coords == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+
+
+def test_monitored_barrier_names_the_missing_rank(pool):
+    results = pool.run(rank_fns.monitored, 1)
+    assert results[1] == "skipped"
+    assert results[0].startswith("monitored_barrier: ranks [1] of group 0 did not arrive within 1.0s")
+
+
+def test_backend_is_found_under_torchrun_without_importing_tpudist(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch, torch.distributed as dist
+        dist.init_process_group("tpu")
+        t = torch.ones(1) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        assert "tpudist" not in sys.argv
+        print(f"rank {dist.get_rank()} sum {t.item()} backend {dist.get_backend()}", flush=True)
+        dist.destroy_process_group()
+    """))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "rank 0 sum 3.0 backend tpu" in out and "rank 1 sum 3.0 backend tpu" in out
