@@ -19,9 +19,9 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tpudist.sharding.layout import (JaxLayout, LayoutError, default_axis_names, is_even,
-                                     padded_length, to_layout, to_placements)
+                                     padded_length, padded_positions, to_layout, to_placements)
 
-_meshes: dict[tuple, Any] = {}
+_meshes: dict[tuple, tuple[Any, Any]] = {}  # mesh key -> (runtime, jax Mesh)
 _lock = threading.Lock()
 
 
@@ -55,13 +55,14 @@ def jax_mesh(device_mesh: DeviceMesh) -> Any:
     from tpudist.process_group import runtime
 
     key = mesh_key(device_mesh)
+    rt = runtime.current()
     with _lock:
-        mesh = _meshes.get(key)
-        if mesh is None or mesh.devices.flat[0] not in runtime.current().devices:
-            rt = runtime.current()
+        booted, mesh = _meshes.get(key, (None, None))
+        if booted is not rt:  # a new world (after destroy_process_group) has new devices
             ranks, shape, names = key
             devices = np.array([rt.device(r) for r in ranks], dtype=object).reshape(shape)
-            mesh = _meshes[key] = Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+            mesh = Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+            _meshes[key] = (rt, mesh)
         return mesh
 
 
@@ -79,6 +80,11 @@ def _numpy_view(t: torch.Tensor) -> np.ndarray:
 
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype :func:`to_jax` gives a torch dtype."""
+    return _numpy_view(torch.empty(0, dtype=dtype)).dtype
 
 
 def _needs_x64(dtype: torch.dtype) -> bool:
@@ -197,6 +203,68 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(strides))
+
+
+# -- inside traced programs: padded block <-> logical array ----------------------------------------
+_REDUCE = {"sum": "sum", "avg": "mean", "max": "max", "min": "min"}
+
+
+def unpad(x: Any, spec: BlockSpec, lead: int) -> Any:
+    """Padded block (after ``lead`` partial dims) -> logical array, inside a traced program."""
+    import jax.numpy as jnp
+
+    sizes = spec.sizes
+    for dim, n in enumerate(spec.shape):
+        axis_sizes = [sizes[a] for a in spec.layout.dim_axes(dim)]
+        if x.shape[lead + dim] == n:
+            continue
+        positions = padded_positions(n, axis_sizes)
+        if positions == list(range(n)):
+            x = jax_slice(x, lead + dim, n)
+        else:
+            x = jnp.take(x, np.asarray(positions, dtype=np.int32), axis=lead + dim)
+    return x
+
+
+def pad(x: Any, spec: BlockSpec, lead: int) -> Any:
+    """Logical array -> padded block (after ``lead`` partial dims), inside a traced program."""
+    import jax.numpy as jnp
+
+    sizes = spec.sizes
+    for dim, (n, padded) in enumerate(zip(spec.shape, spec.padded_shape())):
+        if padded == n:
+            continue
+        positions = padded_positions(n, [sizes[a] for a in spec.layout.dim_axes(dim)])
+        if positions == list(range(n)):
+            widths = [(0, 0)] * x.ndim
+            widths[lead + dim] = (0, padded - n)
+            x = jnp.pad(x, widths)
+        else:
+            shape = list(x.shape)
+            shape[lead + dim] = padded
+            index = [slice(None)] * x.ndim
+            index[lead + dim] = np.asarray(positions, dtype=np.int32)
+            x = jnp.zeros(shape, x.dtype).at[tuple(index)].set(x)
+    return x
+
+
+def jax_slice(x: Any, axis: int, length: int) -> Any:
+    import jax
+
+    return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+
+
+def reduce_partial(x: Any, src: BlockSpec, keep: tuple[tuple[str, str], ...] = ()) -> Any:
+    """Applies the pending reductions of ``src`` not in ``keep`` (leading dims, one per axis)."""
+    import jax.numpy as jnp
+
+    for index in reversed(range(len(src.layout.partial_axes))):
+        entry = src.layout.partial_axes[index]
+        if entry in keep:
+            continue
+        x = getattr(jnp, _REDUCE[entry[1]])(x, axis=index).astype(x.dtype)  # jnp.sum widens small ints
+    return x
+
 
 
 # -- public conversions -----------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """SPMD or MPMD, decided as data, then agreed on by the ranks through the c10d store.
 
 A :class:`Plan` says which path a call takes, why, and which collectives it implies; it can be
-printed and compared without any process running. Before an SPMD program runs, the ranks of its
-mesh publish the plan's fingerprint under ``tpudist/sharding/<mesh>/<seq>/<rank>`` (``seq`` counts
-SPMD calls on that mesh in this process) and wait, with a timeout, for the others':
+printed and compared without any process running. Before a call runs (SPMD or MPMD), the ranks of
+its mesh publish the plan's fingerprint under ``tpudist/sharding/<mesh>/<seq>/<rank>`` (``seq`` counts
+tpudist.sharding calls on that mesh in this process) and wait, with a timeout, for the others':
 
 - all equal: one XLA program runs across the mesh;
 - same meaning, different compiled program (another JAX version, other XLA flags, a rank-local
@@ -211,22 +211,26 @@ def agree(plan: Plan, mesh_ranks: Sequence[int], mesh_id: str, description: str,
 
 def settle(plan: Plan, mesh_ranks: Sequence[int], mesh_id: str, description: str, on_mismatch: str,
            timeout: timedelta) -> Path:
-    """The path this call takes on this rank, after agreeing with the mesh when SPMD is planned."""
+    """The path this call takes on this rank, agreed with the mesh.
+
+    MPMD plans are agreed on too: a rank taking another path than the others is caught here, not
+    as a hang inside mismatched collectives.
+    """
     if on_mismatch not in ("mpmd", "raise"):
         raise ValueError(f"on_mismatch={on_mismatch!r} is not 'mpmd' or 'raise'")
     op = plan.op.split("(")[0]
-    if plan.path is Path.MPMD:
-        return _count(op, Path.MPMD)
     agreement = agree(plan, mesh_ranks, mesh_id, description, timeout)
-    if agreement.same_program:
-        return _count(op, Path.SPMD)
-    if not agreement.same_meaning or on_mismatch == "raise":
-        what = "different calls" if not agreement.same_meaning else "different compiled programs"
-        hint = ("every rank of the mesh must make the same SPMD calls in the same order"
-                if not agreement.same_meaning else "pass on_mismatch='mpmd' to fall back to per-rank "
-                "collectives, or make the ranks' JAX versions, XLA_FLAGS and traced code identical")
+    if not agreement.same_meaning:
         raise PlanMismatch(f"{plan.op} #{agreement.seq} on mesh ranks {list(mesh_ranks)}: ranks made "
-                           f"{what}: {agreement.differing()}; {hint}")
+                           f"different calls: {agreement.differing()}; every rank of the mesh must make "
+                           "the same SPMD calls in the same order")
+    if plan.path is Path.MPMD or agreement.same_program:
+        return _count(op, plan.path)
+    if on_mismatch == "raise":
+        raise PlanMismatch(f"{plan.op} #{agreement.seq} on mesh ranks {list(mesh_ranks)}: ranks made "
+                           f"different compiled programs: {agreement.differing()}; pass on_mismatch='mpmd' "
+                           "to fall back to per-rank collectives, or make the ranks' JAX versions, "
+                           "XLA_FLAGS and traced code identical")
     return _count(op, Path.MPMD)
 
 

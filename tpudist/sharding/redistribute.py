@@ -5,7 +5,7 @@ placement transition       XLA collective             note
 =========================  =========================  ==============================================
 Shard(i) -> Replicate      all_gather                 padded shards are sliced off after
 Partial -> Replicate       psum (pmax, pmin)          avg = psum / n
-Partial -> Shard(i)        psum_scatter               XLA's reduce-scatter
+Partial -> Shard(i)        psum_scatter               XLA:CPU: all-reduce + slice
 Shard(i) -> Shard(j)       all_to_all                 i != j; i == j on other axes: permute
 Replicate -> Shard(i)      local slice                no communication
 Replicate -> Partial       local (MPMD)               DTensor's own split, no communication
@@ -25,14 +25,15 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from tpudist.sharding import arrays
-from tpudist.sharding.arrays import BlockSpec
-from tpudist.sharding.layout import LayoutError, padded_positions
-from tpudist.sharding.plan import DEFAULT_TIMEOUT, Path, Plan, collectives, digest, environment, run_in_order, settle
+from tpudist.sharding.arrays import BlockSpec, pad, reduce_partial, unpad
+from tpudist.sharding.layout import LayoutError
+from tpudist.sharding.plan import (DEFAULT_TIMEOUT, Path, Plan, collectives, digest, environment,
+                                   run_in_order, settle)
 
-_REDUCE = {"sum": "sum", "avg": "mean", "max": "max", "min": "min"}
 _programs: dict[tuple, tuple[Any, str]] = {}
 _lock = threading.Lock()
 
@@ -46,17 +47,42 @@ def _canonical(dtensor: DTensor, placements: Sequence[Placement]) -> tuple[Place
     return tuple(Shard(p.dim % dtensor.ndim) if type(p) is Shard and p.dim < 0 else p for p in placements)
 
 
-def plan_redistribute(dtensor: DTensor, placements: Sequence[Placement]) -> tuple[Plan, Any]:
-    """The plan of ``redistribute(dtensor, placements)`` and, for SPMD, its block specs."""
+def plan_redistribute(dtensor: DTensor, placements: Sequence[Placement]) -> Plan:
+    """The plan of ``redistribute(dtensor, placements)``: path, reason, collectives, fingerprint.
+
+    Needs no other rank (an SPMD plan is lowered locally to fingerprint its program).
+
+    Example:
+        >>> print(plan_redistribute(x, [Replicate()]))
+        redistribute: spmd (both layouts have a JAX sharding); all_gather[x] S(0)->R; fingerprint ...
+    """
+    return _prepare(dtensor, placements)[0]
+
+
+def _prepare(dtensor: DTensor, placements: Sequence[Placement]) -> tuple[Plan, Any, Any]:
+    """The plan with its program fingerprint, its block specs and the jitted program (SPMD only)."""
+    plan, specs = _plan(dtensor, placements)
+    if specs is None:
+        return plan, None, None
+    with arrays.x64(dtensor.dtype):
+        program, text_digest = program_for(arrays.jax_mesh(dtensor.device_mesh), *specs, _jax_dtype(dtensor))
+    return plan.with_program(digest(text_digest, environment())), specs, program
+
+
+def _plan(dtensor: DTensor, placements: Sequence[Placement]) -> tuple[Plan, Any]:
     dst = _canonical(dtensor, placements)
     src = tuple(dtensor.placements)
     mesh = dtensor.device_mesh
     names = arrays.mesh_axis_names(mesh)
     steps = collectives(names, src, dst)
+    grad = dtensor.requires_grad and torch.is_grad_enabled()
     meaning = digest("redistribute", arrays.mesh_key(mesh), tuple(dtensor.shape), str(dtensor.dtype),
-                     tuple(map(repr, src)), tuple(map(repr, dst)))
+                     tuple(map(repr, src)), tuple(map(repr, dst)), grad)
     if src == dst:
         return Plan("redistribute", Path.MPMD, "placements unchanged", (), meaning), None
+    if grad:
+        return Plan("redistribute", Path.MPMD, "the input requires grad: DTensor's redistribute is "
+                    "differentiable, the XLA program is not", steps, meaning), None
     try:
         src_spec = arrays.block_spec_of(dtensor)
         dst_layout = arrays.to_layout(dst, names, dtensor.ndim, tuple(mesh.mesh.shape))
@@ -69,61 +95,8 @@ def plan_redistribute(dtensor: DTensor, placements: Sequence[Placement]) -> tupl
     return Plan("redistribute", Path.SPMD, "both layouts have a JAX sharding", steps, meaning), (src_spec, dst_spec)
 
 
-def unpad(x: Any, spec: BlockSpec, lead: int) -> Any:
-    """Padded block (after ``lead`` partial dims) -> logical array, inside a traced program."""
-    import jax.numpy as jnp
-
-    sizes = spec.sizes
-    for dim, n in enumerate(spec.shape):
-        axis_sizes = [sizes[a] for a in spec.layout.dim_axes(dim)]
-        if x.shape[lead + dim] == n:
-            continue
-        positions = padded_positions(n, axis_sizes)
-        if positions == list(range(n)):
-            x = jax_slice(x, lead + dim, n)
-        else:
-            x = jnp.take(x, np.asarray(positions, dtype=np.int32), axis=lead + dim)
-    return x
-
-
-def pad(x: Any, spec: BlockSpec, lead: int) -> Any:
-    """Logical array -> padded block (after ``lead`` partial dims), inside a traced program."""
-    import jax.numpy as jnp
-
-    sizes = spec.sizes
-    for dim, (n, padded) in enumerate(zip(spec.shape, spec.padded_shape())):
-        if padded == n:
-            continue
-        positions = padded_positions(n, [sizes[a] for a in spec.layout.dim_axes(dim)])
-        if positions == list(range(n)):
-            widths = [(0, 0)] * x.ndim
-            widths[lead + dim] = (0, padded - n)
-            x = jnp.pad(x, widths)
-        else:
-            shape = list(x.shape)
-            shape[lead + dim] = padded
-            index = [slice(None)] * x.ndim
-            index[lead + dim] = np.asarray(positions, dtype=np.int32)
-            x = jnp.zeros(shape, x.dtype).at[tuple(index)].set(x)
-    return x
-
-
-def jax_slice(x: Any, axis: int, length: int) -> Any:
-    import jax
-
-    return jax.lax.slice_in_dim(x, 0, length, axis=axis)
-
-
-def reduce_partial(x: Any, src: BlockSpec, keep: tuple[tuple[str, str], ...] = ()) -> Any:
-    """Applies the pending reductions of ``src`` not in ``keep`` (leading dims, one per axis)."""
-    import jax.numpy as jnp
-
-    for index in reversed(range(len(src.layout.partial_axes))):
-        entry = src.layout.partial_axes[index]
-        if entry in keep:
-            continue
-        x = getattr(jnp, _REDUCE[entry[1]])(x, axis=index).astype(x.dtype)  # jnp.sum widens small ints
-    return x
+def _jax_dtype(dtensor: DTensor) -> np.dtype:
+    return arrays.numpy_dtype(dtensor.dtype)
 
 
 def _build(mesh: Any, src: BlockSpec, dst: BlockSpec, dtype: Any) -> tuple[Any, str]:
@@ -177,25 +150,18 @@ def redistribute(dtensor: DTensor, placements: Sequence[Placement], *, on_mismat
     """
     import jax
 
-    plan, specs = plan_redistribute(dtensor, placements)
+    plan, specs, program = _prepare(dtensor, placements)
     dst = _canonical(dtensor, placements)
     mesh = dtensor.device_mesh
-    if plan.path is Path.SPMD:
-        src_spec, dst_spec = specs
-        jmesh = arrays.jax_mesh(mesh)
-        with arrays.x64(dtensor.dtype):
-            block = arrays.to_block(dtensor, src_spec)
-            program, text_digest = program_for(jmesh, src_spec, dst_spec, block.dtype)
-        plan = plan.with_program(digest(text_digest, environment()))
     key = arrays.mesh_key(mesh)
     path = settle(plan, key[0], digest(key), _describe(dtensor, dst), on_mismatch, timeout)
     if path is Path.MPMD:
-        if plan.reason == "placements unchanged":
-            return dtensor
-        return dtensor.redistribute(mesh, dst)
+        return dtensor if dst == tuple(dtensor.placements) else dtensor.redistribute(mesh, dst)
+    src_spec, dst_spec = specs
+
     def run():
         with arrays.x64(dtensor.dtype):
-            return jax.block_until_ready(program(block))
+            return jax.block_until_ready(program(arrays.to_block(dtensor, src_spec)))
 
     out = run_in_order(_describe(dtensor, dst), run, timeout)
     return arrays.from_block(out, dst_spec, mesh, dst)
@@ -208,18 +174,17 @@ def _describe(dtensor: DTensor, dst: Sequence[Placement]) -> str:
 
 def compiled_text(dtensor: DTensor, placements: Sequence[Placement]) -> str:
     """The optimised HLO of the SPMD program (to count collectives); needs no other rank."""
-    plan, specs = plan_redistribute(dtensor, placements)
+    plan, specs, program = _prepare(dtensor, placements)
     if plan.path is not Path.SPMD:
         raise ValueError(f"redistribute to {tuple(map(str, placements))} is not SPMD: {plan.reason}")
     import jax
     from jax.sharding import NamedSharding
 
-    src, dst = specs
+    src = specs[0]
     jmesh = arrays.jax_mesh(dtensor.device_mesh)
     with arrays.x64(dtensor.dtype):
-        dtype = arrays.to_block(dtensor, src).dtype
-        program, _ = program_for(jmesh, src, dst, dtype)
-        abstract = jax.ShapeDtypeStruct(src.block_shape(), dtype, sharding=NamedSharding(jmesh, src.block_spec()))
+        abstract = jax.ShapeDtypeStruct(src.block_shape(), _jax_dtype(dtensor),
+                                        sharding=NamedSharding(jmesh, src.block_spec()))
         return program.lower(abstract).compile().as_text()
 
 

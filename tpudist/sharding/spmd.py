@@ -11,10 +11,10 @@ import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from tpudist.sharding import arrays
-from tpudist.sharding.arrays import BlockSpec
+from tpudist.sharding.arrays import BlockSpec, pad, reduce_partial, unpad
 from tpudist.sharding.layout import LayoutError
-from tpudist.sharding.plan import DEFAULT_TIMEOUT, Path, Plan, digest, environment, run_in_order, settle
-from tpudist.sharding.redistribute import pad, reduce_partial, unpad
+from tpudist.sharding.plan import (DEFAULT_TIMEOUT, Path, Plan, digest, environment, run_in_order,
+                                   settle)
 
 _programs: dict[tuple, tuple[Any, Any, str]] = {}
 _lock = threading.Lock()
@@ -31,7 +31,9 @@ def spmd(fn: Callable | None = None, *, out_placements: Sequence[Placement] | No
     DTensors with placements from the output shardings XLA chose, or ``out_placements`` for every
     output if given.
 
-    Every rank of the mesh calls the function with the same meaning. If ranks compiled different
+    The program is not part of torch autograd: inputs that require grad raise ``ValueError``
+    (use ``torch.no_grad()``, and ``jax.grad`` inside ``fn``). Every rank of the mesh calls the
+    function with the same meaning. If ranks compiled different
     programs (e.g. rank 0 adds ``jax.debug.print``), ``on_mismatch="mpmd"`` runs ``fn`` on each rank
     over the full tensors (gathered with DTensor's own collectives); outputs are then Replicate unless
     ``out_placements`` is given.
@@ -77,6 +79,10 @@ def _call(fn: Callable, out_placements: tuple[Placement, ...] | None, on_mismatc
         if arrays.mesh_key(x.device_mesh) != key:
             raise ValueError(f"spmd({_name(fn)}): argument leaf {i} lives on mesh {x.device_mesh}, the first "
                              f"DTensor on {device_mesh}; redistribute them onto one mesh")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in dtensors):
+        raise ValueError(f"spmd({_name(fn)}): an input requires grad, but the XLA program is not part of "
+                         "torch autograd; call it under torch.no_grad() (and take gradients with jax.grad "
+                         "inside fn) or detach the inputs")
     statics = tuple((i, x) for i, x in enumerate(leaves) if i not in tensor_at)
     meaning = digest("spmd", _name(fn), key, str(treedef), repr(statics), repr(out_placements),
                      tuple((tuple(x.shape), str(x.dtype), tuple(map(repr, x.placements))) for x in dtensors))
