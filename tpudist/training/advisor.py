@@ -7,7 +7,7 @@ output dimension of the largest matmul in a small model.
 
 Example:
     >>> from tpudist.training.model import ModelArgs
-    >>> for advice in advise(ModelArgs(vocab_size=128, dim=256, n_heads=4, n_kv_heads=2), "v5e"):
+    >>> for advice in advise(ModelArgs(vocab_size=128, dim=256, n_heads=4, n_kv_heads=2, ffn_hidden=768), "v5e"):
     ...     print(advice)
     head_dim=64 (dim=256 / n_heads=4) is not a multiple of 128: attention matmuls fill 64 of the 128 MXU lanes; suggested: n_heads=2 (head_dim=128)
 """
@@ -55,8 +55,12 @@ def resolve_generation(generation: str = "") -> str:
     return name
 
 
-def advise(args: ModelArgs, generation: str = "") -> list[Advice]:
-    """Warnings for the shapes of ``args`` that run poorly on ``generation``, each with a fix."""
+def advise(args: ModelArgs, generation: str = "", tp: int = 1) -> list[Advice]:
+    """Warnings for the shapes of ``args`` that run poorly on ``generation``, each with a fix.
+
+    With tensor parallelism of degree ``tp`` the matmuls each chip runs are ``dim / tp`` and
+    ``ffn_hidden / tp`` wide: those widths are checked too.
+    """
     generation = resolve_generation(generation)
     mxu = MXU_SIZE[generation]
     found = []
@@ -78,6 +82,13 @@ def advise(args: ModelArgs, generation: str = "") -> list[Advice]:
                 "matmul_dim", f"{name}={value} is not a multiple of {mxu}: matmuls over it are padded to the "
                 f"{generation} MXU's {mxu}x{mxu} tiles, wasting {waste}%; suggested: {name}={padded}",
                 ((name, padded),)))
+        elif tp > 1 and (value // tp) % mxu:
+            smaller_tp = max(t for t in range(1, tp + 1) if tp % t == 0 and value % t == 0 and (value // t) % mxu == 0)
+            padded = _round_up(value, mxu * tp)
+            found.append(Advice(
+                "tp_shard", f"{name}/tp={value // tp} ({name}={value} split over tp={tp}) is not a multiple of "
+                f"{mxu}: each chip's matmuls are padded to the {generation} MXU's {mxu}x{mxu} tiles; "
+                f"suggested: tp={smaller_tp} or {name}={padded}", (("tp", smaller_tp), (name, padded))))
     if args.vocab_size % VOCAB_MULTIPLE:
         padded = _round_up(args.vocab_size, VOCAB_MULTIPLE)
         found.append(Advice(

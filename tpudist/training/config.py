@@ -17,9 +17,9 @@ from tpudist.training.model import ModelArgs
 Config = TypeVar("Config")
 
 
-def option(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's keyword
-    """A dataclass field with a default and the help text shown by ``--help``."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def option(default: Any, help: str, choices: Sequence[Any] | None = None) -> Any:  # noqa: A002 - argparse's word
+    """A dataclass field with a default, the help text shown by ``--help`` and optional allowed values."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
 def _int_tuple(text: str) -> tuple[int, ...]:
@@ -37,7 +37,7 @@ def build_parser(config_cls: type, description: str | None = None) -> argparse.A
     for field in dataclasses.fields(config_cls):
         flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
-        help_text = field.metadata.get("help", "")
+        help_text = field.metadata.get("help", "").replace("%", "%%")  # argparse %-formats help
         if kind is bool:
             parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
                                 default=field.default, help=help_text)
@@ -45,7 +45,8 @@ def build_parser(config_cls: type, description: str | None = None) -> argparse.A
             parser.add_argument(flag, dest=field.name, type=_int_tuple, default=field.default,
                                 metavar="N,N,...", help=help_text)
         elif kind in (int, float, str):
-            parser.add_argument(flag, dest=field.name, type=kind, default=field.default, help=help_text)
+            parser.add_argument(flag, dest=field.name, type=kind, default=field.default, help=help_text,
+                                choices=field.metadata.get("choices"))
         else:
             raise TypeError(f"config field {field.name}: {kind} has no command-line form; "
                             "use bool, int, float, str or tuple[int, ...]")
@@ -88,10 +89,11 @@ class TrainConfig:
     max_grad_norm: float = option(1.0, "clip the global gradient norm to this; 0 disables")
     seed: int = option(0, "seed of the parameter initialisation (identical on every rank)")
     # parallelism
-    backend: str = option("tpu", "process group backend when torchrun started the ranks: tpu or gloo")
-    parallelism: str = option("fsdp", "fsdp (FSDP2 fully_shard, HSDP and TP from --mesh) or ddp")
+    backend: str = option("tpu", "process group backend when torchrun started the ranks", ("tpu", "gloo"))
+    parallelism: str = option("fsdp", "fsdp (FSDP2 fully_shard, HSDP and TP from --mesh) or ddp", ("fsdp", "ddp"))
     mesh: tuple[int, ...] = option((), "dp_replicate,dp_shard,tp sizes, e.g. 1,2,2; empty: 1,world,1")
-    param_dtype: str = option("float32", "FSDP2 compute dtype: float32 or bfloat16 (grads reduced in fp32)")
+    param_dtype: str = option("float32", "FSDP2 compute dtype (gradients are reduced in float32)",
+                              ("float32", "bfloat16"))
     reshard_after_forward: bool = option(True, "FSDP2: free gathered parameters after each forward")
     activation_checkpoint: bool = option(False, "recompute each block's activations in backward")
     # output

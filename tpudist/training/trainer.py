@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
 from typing import Iterable
 
 import torch
@@ -34,22 +33,29 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> float:
     """Clips the global 2-norm of the gradients to ``max_norm``; returns the norm before clipping.
 
-    Unlike ``torch.nn.utils.clip_grad_norm_`` it accepts gradients that are DTensors on different
-    meshes (FSDP+TP: block weights on ``(dp_shard, tp)``, norms and embeddings on ``dp_shard``):
-    the norm is reduced per mesh, then the per-mesh norms are combined locally.
+    Works for any mix of plain-tensor and DTensor gradients (FSDP+TP puts block weights on the
+    ``(dp_shard, tp)`` mesh and norms on ``dp_shard`` alone, which torch's ``clip_grad_norm_`` cannot
+    stack) with one all-reduce in total: each rank adds the squares of its local shards, weighted by
+    1 / (number of ranks holding the same elements). Every rank of the default group must hold the
+    model (true for DDP, FSDP, HSDP and TP here); gradients must be Shard or Replicate, not Partial.
     """
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in parameters if p.grad is not None]
-    by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
+    world_size = dist.get_world_size()
+    local_sq = torch.zeros((), dtype=torch.float64)
     for grad in grads:
-        by_mesh[grad.device_mesh if isinstance(grad, DTensor) else None].append(grad)
-    total_sq = torch.zeros((), dtype=torch.float32)
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        total_sq += norm.float() ** 2
-    total = float(total_sq.sqrt())
+        if isinstance(grad, DTensor):
+            assert not any(p.is_partial() for p in grad.placements), f"partial gradient {grad.placements}"
+            copies = world_size // grad.device_mesh.size()
+            for axis, placement in enumerate(grad.placements):
+                copies *= grad.device_mesh.size(axis) if placement.is_replicate() else 1
+            local = grad.to_local()
+        else:
+            copies, local = world_size, grad
+        local_sq += local.double().pow(2).sum() / copies
+    dist.all_reduce(local_sq)
+    total = float(local_sq.sqrt())
     if max_norm > 0 and total > max_norm:
         coef = max_norm / (total + 1e-6)
         for grad in grads:
@@ -92,7 +98,7 @@ class Trainer:
         self.log.print(f"{self.cfg.parallelism} on backend={dist.get_backend()} world_size={self.world_size} "
                        f"mesh(dp_replicate,dp_shard,tp)={self.dims.sizes} params={self.model_args.num_params():,} "
                        f"loss floor={self.task.entropy_rate():.3f}")
-        for advice in advise(self.model_args, generation):
+        for advice in advise(self.model_args, generation, tp=self.dims.tp):
             self.log.print(f"advisor[{generation}]: {advice}")
 
     def train_step(self, step: int) -> StepMetrics:

@@ -1,0 +1,26 @@
+"""Train a Llama-style decoder with FSDP2 (and optionally HSDP / tensor parallelism) on TPU chips.
+
+    torchrun --nproc-per-node 4 recipes/train_fsdp.py                       # FSDP over 4 emulated chips
+    torchrun --nproc-per-node 4 recipes/train_fsdp.py --mesh 1,2,2          # FSDP x TP
+    torchrun --nproc-per-node 4 recipes/train_fsdp.py --checkpoint-dir /tmp/ckpt --resume
+    python recipes/train_fsdp.py --help                                      # every option, documented
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from tpudist.training import StepMetrics, TrainConfig, Trainer, parse_config
+
+
+def main(argv: Sequence[str] | None = None) -> list[StepMetrics]:
+    trainer = Trainer(parse_config(TrainConfig, argv))
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
