@@ -96,10 +96,9 @@ def async_and_cache():
 
 
 def rank_topology():
-    from tpudist.mesh import Topology
+    from tpudist.process_group import topology
 
-    topo = Topology.parse(os.environ["TPUDIST_TOPOLOGY"])
-    return topo.coords(dist.get_rank())
+    return str(topology()), topology().coords(dist.get_rank())
 
 
 def monitored(skip_rank: int):
@@ -114,3 +113,31 @@ def monitored(skip_rank: int):
         return "passed"
     except RuntimeError as e:
         return f"{e} after {time.monotonic() - t0:.1f}s"
+
+
+def wide_values():
+    """64-bit values JAX would truncate without x64 (FACTS.md: 2**40 came back as 1)."""
+    r = dist.get_rank()
+    out = {}
+    t = torch.tensor([2**40 + r, -(2**62)], dtype=torch.int64)
+    dist.all_reduce(t, dist.ReduceOp.MAX)
+    out["int64_max"] = t.tolist()
+    t = torch.tensor([1.0 + 2.0**-40 * (r + 1)], dtype=torch.float64)
+    dist.all_reduce(t)
+    out["float64_sum"] = t.item()
+    t = torch.tensor([complex(1e-300, 2.0**-40)], dtype=torch.complex128)
+    dist.broadcast(t, 0)
+    out["complex128_bcast"] = t.item()
+    return out
+
+
+def unverified_collectives():
+    """With the check off, matching collectives still work and no fingerprint collective runs."""
+    from tpudist.process_group import programs
+
+    with programs.verify_collectives(False):
+        t = torch.full((5,), float(dist.get_rank() + 1))
+        dist.all_reduce(t)
+        lst = [torch.zeros(2) for _ in range(dist.get_world_size())]
+        dist.all_gather(lst, torch.full((2,), float(dist.get_rank())))
+    return t.tolist(), [x.tolist() for x in lst]

@@ -70,8 +70,14 @@ def test_destroy_then_init_again_in_the_same_process(tmp_path):
 
 
 def test_ranks_get_chip_coordinates_of_the_emulated_topology():
-    coords = run_ranks(4, rank_fns.rank_topology, topology="v5p:2x2x1", timeout=180)
-    assert coords == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    results = run_ranks(4, rank_fns.rank_topology, topology="v5p:2x2x1", timeout=180)
+    assert results == [("v5p:2x2x1", c) for c in [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]]
+
+
+def test_a_topology_that_does_not_match_the_world_is_refused():
+    with pytest.raises(RuntimeError, match="TPUDIST_TOPOLOGY=v5p:2x2x1 has 4 chips but the world has "
+                                           "world_size=2 ranks: tpudist runs one rank per chip"):
+        run_ranks(2, rank_fns.rank_topology, topology="v5p:2x2x1", timeout=120)
 
 
 def test_monitored_barrier_names_the_missing_rank(pool):
@@ -104,3 +110,16 @@ def test_backend_is_found_under_torchrun_without_importing_tpudist(tmp_path):
             proc.wait()
     assert proc.returncode == 0, out
     assert "rank 0 sum 3.0 backend tpu" in out and "rank 1 sum 3.0 backend tpu" in out
+
+
+def test_64_bit_values_are_not_truncated(pool):
+    for res in pool.run(rank_fns.wide_values):
+        assert res["int64_max"] == [2**40 + 1, -(2**62)]
+        assert res["float64_sum"] == 2.0 + 3 * 2.0**-40
+        assert res["complex128_bcast"] == complex(1e-300, 2.0**-40)
+
+
+def test_collectives_without_the_fingerprint_check(pool):
+    for total, gathered in pool.run(rank_fns.unverified_collectives):
+        assert total == [3.0] * 5
+        assert gathered == [[0.0, 0.0], [1.0, 1.0]]

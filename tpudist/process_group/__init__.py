@@ -16,6 +16,10 @@ def __getattr__(name):  # keep `import tpudist` free of JAX: load the backend on
         from tpudist.process_group import work
 
         return getattr(work, name)
+    if name == "topology":
+        from tpudist.process_group.runtime import current
+
+        return lambda: current().topology
     if name == "cache_stats":
         from tpudist.process_group.programs import cache_stats
 
@@ -28,4 +32,4 @@ def __getattr__(name):  # keep `import tpudist` free of JAX: load the backend on
 
 
 __all__ = ["ALIAS_NAME", "BACKEND_NAME", "CollectiveError", "CollectiveTimeout", "ProcessGroupTPU",
-           "cache_stats", "create_process_group", "monitored_barrier", "register"]
+           "cache_stats", "create_process_group", "topology", "monitored_barrier", "register"]

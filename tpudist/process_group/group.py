@@ -115,16 +115,15 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def _run_program(self, op: str, key: ProgramKey, block: np.ndarray) -> np.ndarray:
         import jax
 
-        fn = programs.program(key)
-        fingerprint = programs.fingerprint(key)
+        compiled = programs.program(key)
         try:
             with jax.enable_x64(tz.needs_x64(block.dtype)):
-                out, fingerprints = fn(self._global(key, block), self._global(key, fingerprint))
-                fingerprints = np.asarray(fingerprints.addressable_data(0))[0]
-                result = np.asarray(out.addressable_data(0))[0]
+                out, fingerprints = compiled.fn(compiled.to_global(block), compiled.fingerprint)
+                fingerprints = np.asarray(fingerprints._arrays[0])[0]  # noqa: SLF001 - our one shard
+                result = np.asarray(out._arrays[0])[0]  # noqa: SLF001
         except Exception as e:  # XLA raises ValueError/JaxRuntimeError: make it a c10d-style error
             raise CollectiveError(f"{self._describe(op)} failed on rank {self.rank()}: {e}") from e
-        if not (fingerprints == fingerprint).all():
+        if not (fingerprints == compiled.fingerprint_host).all():
             calls = "; ".join(f"rank {r} called {programs.describe_fingerprint(fp)}"
                               for r, fp in enumerate(fingerprints))
             raise CollectiveMismatch(
@@ -132,17 +131,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 "a group must issue the same collectives, with the same shapes, dtypes and reduce "
                 "ops, in the same order; no data was exchanged.")
         return result
-
-    @staticmethod
-    def _global(key: ProgramKey, block: np.ndarray):
-        """The global array whose row i is group rank i's block (only our row is local)."""
-        import jax
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        mesh = programs.mesh_of(key.group)
-        local = jax.device_put(block[None], runtime.current().local_device)
-        return jax.make_array_from_single_device_arrays(
-            (len(key.group), *block.shape), NamedSharding(mesh, PartitionSpec(programs.AXIS)), [local])
 
     def _key(self, op: str, block: np.ndarray, reduce: str | None = None, static: tuple = ()) -> ProgramKey:
         return ProgramKey(op, tuple(block.shape), block.dtype.name, self._global_ranks, reduce, static)

@@ -18,6 +18,7 @@ _COORDINATOR_KEY = "tpudist/jax_coordinator"
 # JAX's heartbeat decides how long survivors of a crashed peer live on; keep it near the c10d timeout.
 _MIN_HEARTBEAT_S = 10
 _PLATFORM_ENV = "TPUDIST_PLATFORM"
+_TOPOLOGY_ENV = "TPUDIST_TOPOLOGY"
 
 
 class RuntimeStateError(RuntimeError):
@@ -32,6 +33,7 @@ class Runtime:
     process_id: int
     num_processes: int
     devices: tuple[Any, ...]  # jax devices, index = global torch rank
+    topology: Any  # tpudist.mesh.Topology: the slice being run (or emulated); rank r is chip r
 
     def device(self, global_rank: int) -> Any:
         return self.devices[global_rank]
@@ -69,6 +71,22 @@ def _platform() -> str:
     return "tpu" if importlib.util.find_spec("libtpu") is not None else "cpu"
 
 
+def topology_for(world_size: int) -> Any:
+    """The slice named by ``TPUDIST_TOPOLOGY``, or the smallest v5p slice holding the world."""
+    from tpudist.mesh import Topology
+
+    text = os.environ.get(_TOPOLOGY_ENV)
+    if not text:
+        return Topology.smallest_for(world_size)
+    topology = Topology.parse(text)
+    if topology.num_chips != world_size:
+        raise ValueError(
+            f"{_TOPOLOGY_ENV}={text} has {topology.num_chips} chips but the world has "
+            f"world_size={world_size} ranks: tpudist runs one rank per chip. Launch "
+            f"{topology.num_chips} ranks, or unset {_TOPOLOGY_ENV} to use the smallest slice that fits.")
+    return topology
+
+
 def _collective_timeout_flag(timeout: timedelta) -> None:
     # XLA:CPU ignores the c10d timeout unless this flag is set before the backend starts (FACTS.md).
     seconds = max(1, int(timeout.total_seconds()))
@@ -101,6 +119,7 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
             return _runtime
         import jax
 
+        topology = topology_for(world_size)  # bad TPUDIST_TOPOLOGY fails before JAX starts
         platform = _platform()
         if platform == "cpu":
             _collective_timeout_flag(timeout)
@@ -128,7 +147,8 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
         by_process = {}
         for d in devices:
             by_process.setdefault(d.process_index, d)  # one chip (device) per process
-        _runtime = Runtime(platform, rank, world_size, tuple(by_process[r] for r in range(world_size)))
+        _runtime = Runtime(platform, rank, world_size, tuple(by_process[r] for r in range(world_size)),
+                           topology)
         _owner_id = id(owner)
         return _runtime
 

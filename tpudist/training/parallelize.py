@@ -49,14 +49,27 @@ class ParallelDims:
 def build_mesh(dims: ParallelDims):
     """A ``DeviceMesh`` over the axes of ``dims`` larger than 1 (``dp_shard`` always kept).
 
-    ``init_device_mesh("cpu", ...)`` inherits the default group's backend, "tpu" under
-    ``init_process_group("tpu")``.
+    Ranks are laid onto the chips of the slice (``TPUDIST_TOPOLOGY``, or the smallest that fits)
+    by ``tpudist.mesh``: axes ordered by increasing traffic (dp_replicate, dp_shard, tp) so that
+    the busiest, tp, follows torus rings. The DeviceMesh's groups inherit the default group's
+    backend, "tpu" under ``init_process_group("tpu")``.
     """
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
     names = tuple(name for name, size in zip(MESH_AXES, dims.sizes) if size > 1 or name == "dp_shard")
     shape = tuple(getattr(dims, name) for name in names)
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    ranks = mesh_layout(shape, names, dist.get_world_size()).rank_array
+    return DeviceMesh("cpu", torch.as_tensor(ranks), mesh_dim_names=names)
+
+
+def mesh_layout(shape: tuple[int, ...], names: tuple[str, ...], world_size: int):
+    """The ``tpudist.mesh`` layout of a logical mesh on this job's (emulated) slice."""
+    from tpudist.process_group.runtime import topology_for
+
+    return topology_for(world_size).mesh_layout(shape, axis_names=names,
+                                                allow_split_physical_axes=True)
 
 
 def dp_mesh(mesh):

@@ -17,7 +17,8 @@ from tpudist.training.config import TrainConfig
 from tpudist.training.data import MarkovTask
 from tpudist.training.metrics import MetricsLogger, StepMetrics
 from tpudist.training.model import Transformer
-from tpudist.training.parallelize import ParallelDims, build_mesh, dp_coordinate, parallelize
+from tpudist.training.parallelize import (ParallelDims, build_mesh, dp_coordinate, mesh_layout,
+                                          parallelize)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -98,6 +99,10 @@ class Trainer:
         self.log.print(f"{self.cfg.parallelism} on backend={dist.get_backend()} world_size={self.world_size} "
                        f"mesh(dp_replicate,dp_shard,tp)={self.dims.sizes} params={self.model_args.num_params():,} "
                        f"loss floor={self.task.entropy_rate():.3f}")
+        names = self.mesh.mesh_dim_names
+        layout = mesh_layout(tuple(self.mesh.mesh.shape), names, self.world_size)
+        for line in layout.describe().splitlines():
+            self.log.print(f"layout: {line}")
         for advice in advise(self.model_args, generation, tp=self.dims.tp):
             self.log.print(f"advisor[{generation}]: {advice}")
 
