@@ -141,3 +141,20 @@ def unverified_collectives():
         lst = [torch.zeros(2) for _ in range(dist.get_world_size())]
         dist.all_gather(lst, torch.full((2,), float(dist.get_rank())))
     return t.tolist(), [x.tolist() for x in lst]
+
+
+def one_rank_absent(absent: int, nap_s: float):
+    """Rank ``absent`` sleeps instead of joining an all_reduce; the others must time out."""
+    if dist.get_rank() == absent:
+        time.sleep(nap_s)
+        return "absent"
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(3))
+        return "completed?!"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__} after {time.monotonic() - t0:.0f}s: {e}"
+
+
+def init_world(timeout_s: float):
+    dist.init_process_group("tpu", timeout=timedelta(seconds=timeout_s))

@@ -123,3 +123,15 @@ def test_collectives_without_the_fingerprint_check(pool):
     for total, gathered in pool.run(rank_fns.unverified_collectives):
         assert total == [3.0] * 5
         assert gathered == [[0.0, 0.0], [1.0, 1.0]]
+
+
+def test_a_rank_that_never_arrives_is_named_within_the_timeout():
+    # init_process_group(timeout=10 s) sets XLA's collective timeout before its backend starts.
+    with RankPool(3, backend=None, timeout=120, env={"XLA_FLAGS": ""}) as pool:
+        pool.run(rank_fns.init_world, 10)
+        results = pool.run(rank_fns.one_rank_absent, 2, 25)
+    assert results[2] == "absent"
+    for text in results[:2]:
+        assert text.startswith("CollectiveTimeout after ")
+        assert int(text.split()[2].rstrip("s:")) <= 10 + 5 + 5  # timeout + grace + slack
+        assert "ranks [2] never reached it" in text

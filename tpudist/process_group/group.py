@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -20,7 +21,8 @@ import torch.distributed.distributed_c10d as c10d
 from tpudist.process_group import programs, runtime
 from tpudist.process_group import tensors as tz
 from tpudist.process_group.programs import ProgramKey
-from tpudist.process_group.work import STREAM, CollectiveError, CollectiveMismatch, Work
+from tpudist.process_group.work import (STREAM, CollectiveError, CollectiveMismatch,
+                                        CollectiveTimeout, Work)
 
 BACKEND_NAME = "tpu"
 
@@ -58,12 +60,18 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._name = ""
         self._desc = ""
         self._coalescing: list[Work] | None = None
+        self._programs_run: dict[tuple[int, ...], int] = {}  # per device set: the call sequence
         if self._is_world:
             runtime.boot(store, global_ranks[rank], size, timeout, owner=self)
         elif not runtime.is_booted():
             raise NotImplementedError(
                 f'a "tpu" subgroup (global_ranks={list(global_ranks)}) needs a "tpu" world group: '
                 'call init_process_group("tpu") rather than giving "tpu" to new_group only')
+        if size > 1:
+            # XLA connects a device set's gloo context on its first collective, under a fixed 30 s
+            # key-value timeout rather than the group's; connecting now keeps later collectives
+            # under the group timeout (and a member that never came fails group creation).
+            self.barrier().wait()
 
     # -- identity (torch looks groups up by name: FACTS.md) ---------------------------------------
     def getBackendName(self) -> str:
@@ -116,12 +124,20 @@ class ProcessGroupTPU(dist.ProcessGroup):
         import jax
 
         compiled = programs.program(key)
+        seq = self._programs_run[key.group] = self._programs_run.get(key.group, 0) + 1
         try:
             with jax.enable_x64(tz.needs_x64(block.dtype)):
                 out, fingerprints = compiled.fn(compiled.to_global(block), compiled.fingerprint)
                 fingerprints = np.asarray(fingerprints._arrays[0])[0]  # noqa: SLF001 - our one shard
                 result = np.asarray(out._arrays[0])[0]  # noqa: SLF001
         except Exception as e:  # XLA raises ValueError/JaxRuntimeError: make it a c10d-style error
+            if _looks_like_timeout(e):
+                missing = self._absent_ranks(key.group, seq)
+                raise CollectiveTimeout(
+                    f"{self._describe(op)}: collective #{seq} over global ranks {list(key.group)} did "
+                    f"not complete within the timeout; ranks {missing} never reached it (a rank "
+                    "that is hung elsewhere, took another branch, or died). Rank "
+                    f"{self.rank()} saw: {e}") from e
             raise CollectiveError(f"{self._describe(op)} failed on rank {self.rank()}: {e}") from e
         if not (fingerprints == compiled.fingerprint_host).all():
             calls = "; ".join(f"rank {r} called {programs.describe_fingerprint(fp)}"
@@ -131,6 +147,22 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 "a group must issue the same collectives, with the same shapes, dtypes and reduce "
                 "ops, in the same order; no data was exchanged.")
         return result
+
+    def _absent_ranks(self, device_set: tuple[int, ...], seq: int) -> list[int]:
+        """After a timeout: the global ranks of ``device_set`` that did not also time out at
+        collective ``seq``. Every stuck rank reports through the store, then waits a grace period."""
+        store, me = self._store, self._global_ranks[self.rank()]
+        prefix = f"tpudist/stuck/{'-'.join(map(str, device_set))}/{seq}"
+        try:
+            store.set(f"{prefix}/{me}", b"1")
+            deadline = time.monotonic() + _STUCK_GRACE_S
+            missing = [r for r in device_set if r != me]
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in missing if not store.check([f"{prefix}/{r}"])]
+                time.sleep(0.05)
+            return missing
+        except Exception:  # noqa: BLE001 - the store itself may be gone: then nobody is known
+            return [r for r in device_set if r != me]
 
     def _key(self, op: str, block: np.ndarray, reduce: str | None = None, static: tuple = ()) -> ProgramKey:
         return ProgramKey(op, tuple(block.shape), block.dtype.name, self._global_ranks, reduce, static)
@@ -583,6 +615,15 @@ _P2P = _PointToPoint()
 
 
 # -- checks and byte helpers ------------------------------------------------------------------------
+_STUCK_GRACE_S = 5.0  # how long timed-out ranks wait for each other's report before naming absentees
+
+
+def _looks_like_timeout(e: Exception) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text or "deadline" in text
+
+
+
 def _check_device(op: str, t: Any) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
