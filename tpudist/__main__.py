@@ -1,9 +1,10 @@
 """The tpudist command line: ``python -m tpudist <command> ...`` (or the ``tpudist`` script).
 
     python -m tpudist describe v5p:4x4x4 --mesh 4x16 --axes dp,tp --plot mesh.png
+    python -m tpudist soak --ranks 4 --calls 5000 --seed 1
 
 Each command is a small function registered on its own subparser; add new ones (e.g. ``train``) the
-same way. Nothing here imports torch.
+same way. Nothing here imports torch at import time (``soak`` does, when it runs).
 """
 
 from __future__ import annotations
@@ -35,6 +36,18 @@ def _describe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from tpudist.testing.soak import soak
+
+    if args.ranks < 1 or args.calls < 1 or args.chunk < 1:
+        raise _UsageError(f"--ranks={args.ranks}, --calls={args.calls} and --chunk={args.chunk} must be >= 1")
+    print(f"soak: {args.calls} random collectives on {args.ranks} ranks, seed={args.seed}, "
+          f"checked against {'gloo and ' if args.gloo else ''}a local reference", flush=True)
+    mismatches = soak(args.ranks, args.calls, args.seed, chunk=args.chunk, timeout=args.timeout,
+                      compare_gloo=args.gloo, out=lambda line: print(line, flush=True))
+    return 1 if mismatches else 0
+
+
 class _UsageError(ValueError):
     pass
 
@@ -53,6 +66,16 @@ def _parser() -> argparse.ArgumentParser:
     describe.add_argument("--plot", metavar="PNG", help="also draw the mesh to this PNG")
     describe.add_argument("--color-axis", help="mesh axis that colours the plot (default: last)")
     describe.set_defaults(run=_describe)
+    soak = commands.add_parser(
+        "soak", help="run seeded random collectives on N emulated chips, checked bit for bit against gloo")
+    soak.add_argument("--ranks", type=int, default=4, help="rank processes (emulated chips)")
+    soak.add_argument("--calls", type=int, default=1000, help="collectives in the plan")
+    soak.add_argument("--seed", type=int, default=0, help="seed of the plan (print it to replay a mismatch)")
+    soak.add_argument("--chunk", type=int, default=500, help="calls per progress line")
+    soak.add_argument("--timeout", type=float, default=600.0, help="seconds a chunk may take before every rank is killed")
+    soak.add_argument("--gloo", action=argparse.BooleanOptionalAction, default=True,
+                      help="also run every call on gloo (--no-gloo: the local reference only)")
+    soak.set_defaults(run=_soak)
     return parser
 
 

@@ -298,10 +298,24 @@ def _only_root(x, root: int):
 
 @_lowering("broadcast")
 def _lower_broadcast(key: ProgramKey):
-    """A psum of raw bits where only the root contributes: exact, since every other term is 0."""
+    """A binomial tree of ``ppermute`` s from the root: ceil(log2 n) rounds, each moving the raw bits
+    once per edge. (A masked psum also works, but XLA:CPU reduces it: 4-10x slower than gloo.)"""
     import jax
+    import jax.numpy as jnp
 
-    return lambda x: jax.lax.psum(_only_root(x, key.static[0]), AXIS)
+    n, root = len(key.group), key.static[0]
+
+    def body(x):
+        me = (jax.lax.axis_index(AXIS) - root) % n  # position relative to the root
+        have = x
+        span = 1
+        while span < n:  # round: positions [0, span) send to [span, 2 * span)
+            perm = [((src + root) % n, (src + span + root) % n) for src in range(min(span, n - span))]
+            got = jax.lax.ppermute(have, AXIS, perm=perm)
+            have = jnp.where((me >= span) & (me < 2 * span), got, have)
+            span *= 2
+        return have
+    return body
 
 
 @_lowering("scatter")
