@@ -158,3 +158,19 @@ def one_rank_absent(absent: int, nap_s: float):
 
 def init_world(timeout_s: float):
     dist.init_process_group("tpu", timeout=timedelta(seconds=timeout_s))
+
+
+def one_rank_killed(victim: int):
+    """Rank ``victim`` is SIGKILLed mid-job; the survivors' next collective must raise."""
+    import signal
+
+    dist.all_reduce(torch.ones(2))  # everyone is connected
+    if dist.get_rank() == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)  # let the victim die first
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(3))
+        return "completed?!"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__} after {time.monotonic() - t0:.0f}s: {e}"

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import rank_fns
-from tpudist.testing import RankPool, free_port, run_ranks
+from tpudist.testing import RankError, RankPool, free_port, run_ranks
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +135,16 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout():
         assert text.startswith("CollectiveTimeout after ")
         assert int(text.split()[2].rstrip("s:")) <= 10 + 5 + 5  # timeout + grace + slack
         assert "ranks [2] never reached it" in text
+
+
+def test_a_killed_rank_makes_every_survivor_raise_naming_it():
+    with RankPool(3, backend=None, timeout=120, env={"XLA_FLAGS": ""}) as pool:
+        pool.run(rank_fns.init_world, 10)
+        with pytest.raises(RankError) as info:
+            pool.run(rank_fns.one_rank_killed, 2)
+    assert list(info.value.failures) == [2] and "died" in info.value.failures[2]
+    for rank in (0, 1):
+        text = info.value.results[rank]
+        assert text.startswith("CollectiveError after ")
+        assert int(text.split()[2].rstrip("s:")) <= 10  # well within the 10 s group timeout
+        assert "ranks [2] did not report (they died or hang)" in text

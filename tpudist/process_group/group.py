@@ -138,6 +138,12 @@ class ProcessGroupTPU(dist.ProcessGroup):
                     f"not complete within the timeout; ranks {missing} never reached it (a rank "
                     "that is hung elsewhere, took another branch, or died). Rank "
                     f"{self.rank()} saw: {e}") from e
+            if _looks_like_peer_loss(e):
+                missing = self._absent_ranks(key.group, seq)
+                raise CollectiveError(
+                    f"{self._describe(op)}: collective #{seq} over global ranks {list(key.group)} lost "
+                    f"its peers; ranks {missing} did not report (they died or hang). Rank "
+                    f"{self.rank()} saw: {e}") from e
             raise CollectiveError(f"{self._describe(op)} failed on rank {self.rank()}: {e}") from e
         if not (fingerprints == compiled.fingerprint_host).all():
             calls = "; ".join(f"rank {r} called {programs.describe_fingerprint(fp)}"
@@ -149,8 +155,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         return result
 
     def _absent_ranks(self, device_set: tuple[int, ...], seq: int) -> list[int]:
-        """After a timeout: the global ranks of ``device_set`` that did not also time out at
-        collective ``seq``. Every stuck rank reports through the store, then waits a grace period."""
+        """After a timeout or a lost peer: the global ranks of ``device_set`` that did not also fail at
+        collective ``seq``. Every failed rank reports through the store, then waits a grace period."""
         store, me = self._store, self._global_ranks[self.rank()]
         prefix = f"tpudist/stuck/{'-'.join(map(str, device_set))}/{seq}"
         try:
@@ -621,6 +627,11 @@ _STUCK_GRACE_S = 5.0  # how long timed-out ranks wait for each other's report be
 def _looks_like_timeout(e: Exception) -> bool:
     text = str(e).lower()
     return "timed out" in text or "timeout" in text or "deadline" in text
+
+
+def _looks_like_peer_loss(e: Exception) -> bool:
+    text = str(e).lower()
+    return "closed by peer" in text or "connection reset" in text or "socket closed" in text
 
 
 

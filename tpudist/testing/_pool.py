@@ -25,8 +25,9 @@ _START_TIMEOUT_S = 120.0
 class RankError(RuntimeError):
     """A function raised on one or more ranks; the message holds each rank's traceback."""
 
-    def __init__(self, failures: dict[int, str]):
+    def __init__(self, failures: dict[int, str], results: dict[int, Any] | None = None):
         self.failures = failures
+        self.results = results or {}  # what the ranks that did not fail returned
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
         super().__init__(f"ranks {sorted(failures)} raised:\n{text}")
 
@@ -186,7 +187,7 @@ class RankPool:
         if failures:
             # A failed collective can leave communicators poisoned: the next run starts afresh.
             self.close(graceful=False)
-            raise RankError(failures)
+            raise RankError(failures, {r: v for r, (status, v) in results.items() if status == "ok"})
         return [results[r][1] for r in range(self.world_size)]
 
 
