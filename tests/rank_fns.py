@@ -10,8 +10,14 @@ import torch
 import torch.distributed as dist
 
 
+_pair_groups: list = []
+
+
 def mismatched(kind: str):
     r = dist.get_rank()
+    fill = {}
+    if not _pair_groups:
+        _pair_groups.extend(dist.new_group([0, 1]) for _ in range(2))
     try:
         if kind == "shape":
             dist.all_reduce(torch.ones(3 + r))
@@ -22,6 +28,11 @@ def mismatched(kind: str):
         elif kind == "op":
             t = torch.ones(4)
             dist.all_reduce(t) if r == 0 else dist.broadcast(t, 0)
+        elif kind == "swapped_groups":
+            a, b = _pair_groups if r == 0 else reversed(_pair_groups)
+            fill = {"a": _pair_groups[0].group_name, "b": _pair_groups[1].group_name}
+            dist.all_reduce(torch.ones(2), group=a)
+            dist.all_reduce(torch.ones(2), group=b)
         elif kind == "all_to_all_splits":
             out = torch.zeros(3)
             dist.all_to_all_single(out, torch.ones(3), [1, 2], [2, 1] if r == 0 else [1, 2])
@@ -30,7 +41,9 @@ def mismatched(kind: str):
         outcome = f"{type(e).__name__}: {e}"
     t = torch.ones(2)  # the group must still work afterwards
     dist.all_reduce(t)
-    return outcome, t.tolist()
+    for group in _pair_groups:  # and so must the groups that were crossed
+        dist.all_reduce(t, group=group)
+    return outcome, [x / 4 for x in t.tolist()], fill
 
 
 def bad_input(kind: str):

@@ -125,11 +125,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
         compiled = programs.program(key)
         seq = self._programs_run[key.group] = self._programs_run.get(key.group, 0) + 1
+        fingerprint = compiled.call_fingerprint(programs.group_code(self._name), seq)
         try:
             with jax.enable_x64(tz.needs_x64(block.dtype)):
-                out, fingerprints = compiled.fn(compiled.to_global(block), compiled.fingerprint)
-                fingerprints = np.asarray(fingerprints._arrays[0])[0]  # noqa: SLF001 - our one shard
-                result = np.asarray(out._arrays[0])[0]  # noqa: SLF001
+                result, fingerprints = compiled.run(block, fingerprint)
         except Exception as e:  # XLA raises ValueError/JaxRuntimeError: make it a c10d-style error
             if _looks_like_timeout(e):
                 missing = self._absent_ranks(key.group, seq)
@@ -145,8 +144,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
                     f"its peers; ranks {missing} did not report (they died or hang). Rank "
                     f"{self.rank()} saw: {e}") from e
             raise CollectiveError(f"{self._describe(op)} failed on rank {self.rank()}: {e}") from e
-        if not (fingerprints == compiled.fingerprint_host).all():
-            calls = "; ".join(f"rank {r} called {programs.describe_fingerprint(fp)}"
+        if not (fingerprints == fingerprint).all():
+            self._programs_run[key.group] -= 1  # nothing ran: keep the ranks' counts aligned
+            names = {programs.group_code(g.group_name): g.group_name for g in _live_groups()}
+            calls = "; ".join(f"rank {r} called {programs.describe_fingerprint(fp, names)}"
                               for r, fp in enumerate(fingerprints))
             raise CollectiveMismatch(
                 f"{self._describe(op)}: ranks issued different collectives ({calls}). Every rank of "
@@ -656,6 +657,10 @@ def _check_numel(op: str, what: str, t: torch.Tensor, numel: int) -> None:
     if t.numel() != numel:
         raise ValueError(f"{op}: {what} has {t.numel()} elements (shape {tuple(t.shape)}) but "
                          f"{numel} are needed")
+
+
+def _live_groups() -> list[Any]:
+    return [g for g in c10d._world.pg_map if isinstance(g, ProcessGroupTPU)]  # noqa: SLF001
 
 
 class _Sized:

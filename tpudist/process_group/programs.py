@@ -61,8 +61,8 @@ class Compiled:
     """A built program with what each call needs ready: no per-call sharding or aval work."""
 
     fn: Callable[[Any, Any], Any]  # (data, fingerprints) -> (result, all fingerprints)
-    fingerprint_host: np.ndarray
-    fingerprint: Any  # the global jax.Array of this rank's fingerprint (immutable, reused)
+    fingerprint_host: np.ndarray  # what the key decides; a call adds its group and sequence number
+    fingerprint_aval: Any
     aval: Any
     sharding: Any
     device: Any
@@ -74,6 +74,17 @@ class Compiled:
         make_array_from_single_device_arrays (measured here, jax 0.10.2).
         """
         return xla_batched_put(self.aval, self.sharding, block, self.device)
+
+    def call_fingerprint(self, group_code: int, seq: int) -> np.ndarray:
+        """The key's fingerprint plus the call's group and per-group sequence number: ranks that
+        skipped a collective, or issued two groups' collectives in different orders, differ here."""
+        return np.concatenate([self.fingerprint_host, np.array([group_code, seq], np.int32)])
+
+    def run(self, block: np.ndarray, fingerprint: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Runs on our block; returns (our result, every rank's fingerprint)."""
+        fps = xla_batched_put(self.fingerprint_aval, self.sharding, fingerprint, self.device)
+        out, fingerprints = self.fn(self.to_global(block), fps)
+        return np.asarray(out._arrays[0])[0], np.asarray(fingerprints._arrays[0])[0]  # noqa: SLF001
 
 
 _cache: dict[tuple[ProgramKey, bool], Compiled] = {}
@@ -150,11 +161,17 @@ def fingerprint(key: ProgramKey) -> np.ndarray:
                      numel & 0x7FFFFFFF, digest - 2**31], np.int32)
 
 
-def describe_fingerprint(fp: np.ndarray) -> str:
+def describe_fingerprint(fp: np.ndarray, group_names: dict[int, str] | None = None) -> str:
+    """E.g. "all_reduce sum of 4 x float32 (#3 on group 0)"."""
     ops, dtypes = sorted(LOWERINGS), sorted(_DTYPE_NAMES)
     reduce_code, dtype_code = divmod(int(fp[1]), 256)
     reduce = f" {_REDUCES[reduce_code - 1]}" if reduce_code else ""
-    return f"{ops[int(fp[0])]}{reduce} of {int(fp[2])} x {dtypes[dtype_code]}"
+    group = (group_names or {}).get(int(fp[4]), f"with code {int(fp[4])}")
+    return f"{ops[int(fp[0])]}{reduce} of {int(fp[2])} x {dtypes[dtype_code]} (#{int(fp[5])} on group {group})"
+
+
+def group_code(name: str) -> int:
+    return zlib.crc32(name.encode()) - 2**31
 
 
 def _build(key: ProgramKey, verify: bool) -> Compiled:
@@ -193,8 +210,7 @@ def _build(key: ProgramKey, verify: bool) -> Compiled:
 
     sharding, device = NamedSharding(mesh, P(AXIS)), runtime.current().local_device
     fp = fingerprint(key)
-    fp_global = xla_batched_put(core.ShapedArray((n, *fp.shape), fp.dtype), sharding, fp, device)
-    return Compiled(jax.jit(mapped), fp, fp_global,
+    return Compiled(jax.jit(mapped), fp, core.ShapedArray((n, fp.shape[0] + 2), fp.dtype),
                     core.ShapedArray((n, *key.shape), np.dtype(key.dtype)), sharding, device)
 
 
