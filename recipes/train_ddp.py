@@ -9,7 +9,7 @@ import dataclasses
 import sys
 from typing import Sequence
 
-from tpudist.training import StepMetrics, TrainConfig, Trainer, option, parse_config
+from tpudist.training import StepMetrics, TrainConfig, option, run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,11 +21,7 @@ class DDPConfig(TrainConfig):
 
 
 def main(argv: Sequence[str] | None = None) -> list[StepMetrics]:
-    trainer = Trainer(parse_config(DDPConfig, argv))
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
+    return run(DDPConfig, argv)
 
 
 if __name__ == "__main__":

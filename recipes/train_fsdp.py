@@ -11,15 +11,11 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from tpudist.training import StepMetrics, TrainConfig, Trainer, parse_config
+from tpudist.training import StepMetrics, TrainConfig, run
 
 
 def main(argv: Sequence[str] | None = None) -> list[StepMetrics]:
-    trainer = Trainer(parse_config(TrainConfig, argv))
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
+    return run(TrainConfig, argv)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpudist.testing import RankPool
 from tpudist.training import Checkpointer, TrainConfig, Trainer, Transformer
 from tpudist.training.checkpoint import COMPLETE_MARKER
 from tpudist.training.equivalence import full_parameters, to_numpy
@@ -26,12 +25,6 @@ def train(cfg: TrainConfig):
     params = to_numpy(full_parameters(trainer.model))
     trainer.close()
     return [m.step for m in history], [m.loss for m in history], params
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with RankPool(2) as pool:
-        yield pool
 
 
 @pytest.fixture(scope="module")

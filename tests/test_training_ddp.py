@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpudist.testing import RankPool
 from tpudist.training.equivalence import full_parameters, to_numpy, update_error
 
 STEPS = 3
@@ -83,12 +82,6 @@ def train_ddp(variant: str) -> dict[str, torch.Tensor]:
         opt.step()
         opt.zero_grad()
     return to_numpy(full_parameters(model))
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with RankPool(2) as pool:
-        yield pool
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import itertools
 import pytest
 import torch
 
-from tpudist.testing import RankPool
 
 SHAPE = (5, 7)
 
@@ -107,18 +106,6 @@ def check_ops(mesh_shape: tuple[int, ...]) -> list[str]:
     if not torch.equal(total.full_tensor(), a.sum()):
         failures.append("sum over a sharded tensor differs")
     return failures
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with RankPool(2) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with RankPool(4) as pool:
-        yield pool
 
 
 def test_redistribute_1d(pool2):

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tpudist.testing import RankPool
 from tpudist.training.data import MarkovTask
 from tpudist.training.equivalence import full_parameters, to_numpy, update_error
 from tpudist.training.model import ModelArgs, Transformer
@@ -113,18 +112,6 @@ def train_distributed(case: Case):
         opt.step()
         opt.zero_grad()
     return to_numpy(full_parameters(model)), norms
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with RankPool(2) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with RankPool(4) as pool:
-        yield pool
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ from tpudist.training.data import MarkovTask
 from tpudist.training.metrics import MetricsLogger, StepMetrics
 from tpudist.training.model import ModelArgs, Transformer
 from tpudist.training.parallelize import ParallelDims, build_mesh, parallelize
-from tpudist.training.trainer import Trainer, clip_grad_norm_
+from tpudist.training.trainer import Trainer, clip_grad_norm_, run
 
 __all__ = [
     "Advice", "Checkpointer", "MarkovTask", "MetricsLogger", "ModelArgs", "ParallelDims", "StepMetrics",
     "TrainConfig", "Trainer", "Transformer", "advise", "build_mesh", "clip_grad_norm_", "option",
-    "parallelize", "parse_config",
+    "parallelize", "parse_config", "run",
 ]

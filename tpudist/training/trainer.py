@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,7 @@ from torch import nn
 
 from tpudist.training.advisor import advise, resolve_generation
 from tpudist.training.checkpoint import Checkpointer
-from tpudist.training.config import TrainConfig
+from tpudist.training.config import TrainConfig, parse_config
 from tpudist.training.data import MarkovTask
 from tpudist.training.metrics import MetricsLogger, StepMetrics
 from tpudist.training.model import Transformer
@@ -149,3 +149,12 @@ class Trainer:
         self.log.close()
         if self._owns_group:
             dist.destroy_process_group()
+
+
+def run(config_type: type[TrainConfig], argv: Sequence[str] | None = None) -> list[StepMetrics]:
+    """What a recipe's ``main`` does: parse ``config_type`` from ``argv``, train, clean up."""
+    trainer = Trainer(parse_config(config_type, argv))
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
