@@ -153,7 +153,8 @@ class RankPool:
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Runs ``fn(*args, **kwargs)`` on every rank; returns the results in rank order.
 
-        ``fn`` must be importable by reference (a module-level function). Raises RankError if any
+        ``fn`` must be importable by reference (a module-level function); results come back pickled
+        by value (tensors included). Raises RankError if any
         rank raised, RankTimeout (after killing every rank) if any rank did not answer in time.
         """
         if getattr(fn, "__module__", None) == "__main__":
@@ -180,7 +181,7 @@ class RankPool:
             for conn in ready:
                 rank = pending.pop(conn)
                 try:
-                    results[rank] = conn.recv()
+                    results[rank] = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     results[rank] = ("err", f"rank {rank} died (exit code {self._procs[rank].poll()})")
         failures = {r: v for r, (status, v) in results.items() if status == "err"}

@@ -36,9 +36,10 @@ def main() -> None:
             else:
                 fn, args, kwargs = message[1:]
                 result = fn(*args, **kwargs)
-            conn.send(("ok", result))
+            reply = pickle.dumps(("ok", result))  # plain pickle: tensors go by value, not shared memory
         except BaseException:  # noqa: BLE001 - the traceback goes back to the pool
-            conn.send(("err", traceback.format_exc()))
+            reply = pickle.dumps(("err", traceback.format_exc()))
+        conn.send_bytes(reply)
     try:
         import torch.distributed as dist
 
