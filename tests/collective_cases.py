@@ -3,7 +3,6 @@ of the same ranks with the same inputs, and reports the differences."""
 
 from __future__ import annotations
 
-import itertools
 import traceback
 
 import torch
@@ -89,7 +88,7 @@ def same(a, b, dtype) -> str | None:
 def run_both(label, fn, outputs_of, dtype, problems, reference=None):
     """Runs ``fn(group)`` on tpu and gloo; both must raise or both match. Where gloo refuses a
     dtype that tpu supports, ``reference()`` (computed from every rank's known inputs) decides."""
-    results = []; import sys, os; os.environ.get("CC_TRACE") and print("CASE", label, file=sys.stderr, flush=True)
+    results = []
     for backend_index in (0, 1):
         try:
             results.append(("ok", outputs_of(fn(backend_index))))
@@ -347,7 +346,7 @@ def case_objects_and_misc(spec):
         return problems
     pair = groups(spec)
     me, n = dist.get_rank(pair[0]), dist.get_world_size(pair[0])
-    results = []; import sys, os; os.environ.get("CC_TRACE") and print("CASE", label, file=sys.stderr, flush=True)
+    results = []
     for g in pair:
         objs = [None] * n
         dist.all_gather_object(objs, {"rank": me, "data": list(range(me))}, group=g)

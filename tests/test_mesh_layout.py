@@ -76,7 +76,7 @@ def test_mesh_that_needs_a_split_is_refused_then_accepted():
     assert layout.rank_array.shape == (8, 8)
     assert sorted(layout.ranks) == list(range(64))
     # 8 = 4 x 2: each mesh axis takes one whole physical axis and half of a shared one.
-    for axes, sizes in zip(layout.physical_axes, layout.physical_sizes):
+    for sizes in layout.physical_sizes:
         assert math.prod(sizes) == 8 and sorted(sizes) == [2, 4]
     shared = set(layout.physical_axes[0]) & set(layout.physical_axes[1])
     assert len(shared) == 1

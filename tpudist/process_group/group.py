@@ -450,7 +450,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
             if len(splits) != n or sum(splits) != (t.shape[0] if t.dim() else 1) or min(splits) < 0:
                 raise ValueError(f"{op}: {name}_split_sizes={splits} must be {n} non-negative sizes "
                                  f"summing to {name}.shape[0]={t.shape[0] if t.dim() else 1}")
-        row = tz.nbytes(input[0]) if input.dim() and input.shape[0] else 0
         inputs = list(torch.split(input, in_splits)) if input.dim() else [input]
         outputs = list(torch.split(output, out_splits)) if output.dim() else [output]
         return self._all_to_all_ragged(op, inputs, outputs, opts.asyncOp, result=[output])

@@ -8,6 +8,7 @@ average over ranks) changes ``p_N`` by less than 1e-3 relative, but its update b
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -36,9 +37,8 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def to_numpy(state: dict[str, torch.Tensor]) -> dict[str, "numpy.ndarray"]:
-    """``state`` as numpy arrays: what a rank returns through a pipe (torch pickles tensors through
-    shared-memory file descriptors, which a plain ``multiprocessing.Connection`` cannot pass)."""
+def to_numpy(state: dict[str, torch.Tensor]) -> dict[str, "np.ndarray"]:
+    """``state`` as numpy arrays (compact, and independent of torch on the receiving side)."""
     return {name: value.detach().cpu().numpy() for name, value in state.items()}
 
 
