@@ -39,12 +39,13 @@ def _describe(args: argparse.Namespace) -> int:
 def _soak(args: argparse.Namespace) -> int:
     from tpudist.testing.soak import soak
 
-    if args.ranks < 1 or args.calls < 1 or args.chunk < 1:
-        raise _UsageError(f"--ranks={args.ranks}, --calls={args.calls} and --chunk={args.chunk} must be >= 1")
+    if min(args.ranks, args.calls, args.chunk, args.passes) < 1:
+        raise _UsageError(f"--ranks={args.ranks}, --calls={args.calls}, --chunk={args.chunk} and "
+                          f"--passes={args.passes} must be >= 1")
     print(f"soak: {args.calls} random collectives on {args.ranks} ranks, seed={args.seed}, "
           f"checked against {'gloo and ' if args.gloo else ''}a local reference", flush=True)
-    mismatches = soak(args.ranks, args.calls, args.seed, chunk=args.chunk, timeout=args.timeout,
-                      compare_gloo=args.gloo, out=lambda line: print(line, flush=True))
+    mismatches = soak(args.ranks, args.calls, args.seed, chunk=args.chunk, passes=args.passes,
+                      timeout=args.timeout, compare_gloo=args.gloo, out=lambda line: print(line, flush=True))
     return 1 if mismatches else 0
 
 
@@ -72,7 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     soak.add_argument("--calls", type=int, default=1000, help="collectives in the plan")
     soak.add_argument("--seed", type=int, default=0, help="seed of the plan (print it to replay a mismatch)")
     soak.add_argument("--chunk", type=int, default=500, help="calls per progress line")
-    soak.add_argument("--timeout", type=float, default=600.0, help="seconds a chunk may take before every rank is killed")
+    soak.add_argument("--passes", type=int, default=1,
+                      help="run the plan this many times; passes after the first measure cached programs")
+    soak.add_argument("--timeout", type=float, default=600.0,
+                      help="seconds a chunk may take before every rank is killed")
     soak.add_argument("--gloo", action=argparse.BooleanOptionalAction, default=True,
                       help="also run every call on gloo (--no-gloo: the local reference only)")
     soak.set_defaults(run=_soak)

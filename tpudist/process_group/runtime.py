@@ -121,6 +121,9 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
 
         topology = topology_for(world_size)  # bad TPUDIST_TOPOLOGY fails before JAX starts
         platform = _platform()
+        # JAX's preemption service catches SIGTERM, so a rank would ignore torchrun's SIGTERM and
+        # be SIGKILLed 30 s later on every restart. torchrun owns the process lifecycle.
+        jax.config.update("jax_enable_preemption_service", False)
         if platform == "cpu":
             _collective_timeout_flag(timeout)
             jax.config.update("jax_platforms", "cpu")

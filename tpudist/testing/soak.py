@@ -11,9 +11,10 @@ reference decides.
     python -m tpudist soak --ranks 4 --calls 5000 --seed 1
 
 Example (inside a RankPool of 4 "tpu" ranks):
-    >>> plan = make_plan(seed=1, world_size=4, num_calls=200)        # doctest: +SKIP
-    >>> pool.run(run_plan, seed=1, num_calls=200)                      # doctest: +SKIP
-    [SoakReport(calls=200, mismatches=()), ...]
+    >>> print(make_plan(seed=1, world_size=4, num_calls=2)[1])
+    broadcast[g3] complex64[5] root=0 async #1
+    >>> [r.mismatches for r in pool.run(run_plan, 1, 200)]           # doctest: +SKIP
+    [(), (), (), ()]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ OPS = ("all_reduce", "all_gather", "all_gather_uneven", "all_gather_single", "re
        "all_to_all_single", "all_to_all_single_uneven", "broadcast", "reduce", "gather", "scatter",
        "send_recv", "ring", "barrier")
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
-          "complex64")
+          "complex64", "complex128")
 REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
 SHAPES = ((), (0,), (1,), (5,), (2, 3), (0, 3))
 _ASYNC_OPS = frozenset(OPS) - {"send_recv", "ring", "barrier"}
@@ -39,7 +40,7 @@ _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter_single"})
 _NEEDS_DIM = frozenset({"reduce_scatter_single", "all_to_all_single", "all_gather_uneven",
                         "all_to_all_single_uneven"})
 _FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
-_COMPLEX = frozenset({"complex64"})
+_COMPLEX = frozenset({"complex64", "complex128"})
 _TRACE = bool(os.environ.get("TPUDIST_SOAK_TRACE"))  # print each call before it is issued
 _PREMUL_FACTOR = 0.5  # a power of two: factor * sum stays exact
 # What torch 2.13's gloo refuses (or mishandles) and the reference alone checks.
@@ -68,6 +69,7 @@ class Call:
     ``peer`` the receiver of ``send_recv`` or the shift of a ``ring``. ``splits[src][dst]`` holds the rows
     rank ``src`` sends ``dst`` (uneven all_to_all), ``splits[0][r]`` the rows of rank ``r`` (uneven
     all_gather). Consecutive ``async_op`` calls are issued together and waited on in order.
+    ``index`` is the call's position in the plan and seeds its inputs.
     """
 
     op: str
@@ -79,14 +81,14 @@ class Call:
     peer: int | None = None
     splits: tuple[tuple[int, ...], ...] = ()
     async_op: bool = False
-    seed: int = 0
+    index: int = 0
 
     def __str__(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in (("reduce", self.reduce_op), ("root", self.root),
                                                   ("peer", self.peer), ("splits", self.splits or None))
                         if v is not None)
         return (f"{self.op}[g{self.group}] {self.dtype}{list(self.shape)}{extra}"
-                f"{' async' if self.async_op else ''} #{self.seed}")
+                f"{' async' if self.async_op else ''} #{self.index}")
 
 
 def _reduce_ops_for(dtype: str) -> tuple[str, ...]:
@@ -119,8 +121,6 @@ def make_plan(seed: int, world_size: int, num_calls: int, *, dtypes: tuple[str, 
         kw: dict[str, Any] = {}
         if op in _REDUCING:
             kw["reduce_op"] = rng.choice(_reduce_ops_for(dtype))
-            if op == "reduce_scatter_single" and dtype == "bool":
-                kw["reduce_op"] = rng.choice(("SUM", "MAX", "MIN"))
         if op in _ROOTED:
             kw["root"] = rng.randrange(n)
         if op == "send_recv":
@@ -137,7 +137,7 @@ def make_plan(seed: int, world_size: int, num_calls: int, *, dtypes: tuple[str, 
             async_left = rng.randrange(2, 5)
         is_async = async_left > 0 and op in _ASYNC_OPS
         async_left = max(0, async_left - 1) if is_async else 0
-        calls.append(Call(op, group, dtype, shape, async_op=is_async, seed=len(calls), **kw))
+        calls.append(Call(op, group, dtype, shape, async_op=is_async, index=len(calls), **kw))
     return tuple(calls)
 
 
@@ -197,7 +197,7 @@ def _make(call: Call, shape: tuple[int, ...], rank: int, group_size: int, salt: 
     """Rank ``rank``'s input of ``call``: small integers (integer-valued floats), seeded."""
     import torch
 
-    g = torch.Generator().manual_seed((call.seed * 7919 + salt) * 1009 + rank)
+    g = torch.Generator().manual_seed((call.index * 7919 + salt) * 1009 + rank)
     dtype = _dtype(call.dtype)
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
@@ -382,6 +382,13 @@ def _bits(t):
     return tuple(t.shape), t.dtype, (flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8))
 
 
+def _canonical(outputs: list) -> list:
+    """gloo's SUM of bools adds bytes (True + True stores 2); torch reads any non-zero byte as True."""
+    import torch
+
+    return [t.view(torch.uint8).ne(0) if t.dtype == torch.bool else t for t in outputs]
+
+
 def _diff(got: list, want: list) -> str | None:
     import torch
 
@@ -422,15 +429,15 @@ def run_plan(seed: int, num_calls: int, start: int = 0, stop: int | None = None,
         for call, ex, _, outputs in batch:
             problem = _diff(outputs(), ex.expected())
             if problem:
-                mismatches.append(f"seed={seed} call {call.seed}: {call} on rank {me}: tpu vs reference: {problem}")
+                mismatches.append(f"seed={seed} call {call.index}: {call} on rank {me}: tpu vs reference: {problem}")
             if compare_gloo and gloo_can(call):
                 gloo_checked += 1
                 work, gloo_out = ex.issue(pairs[call.group][1])
                 if work is not None:
                     work.wait()
-                problem = _diff(gloo_out(), outputs())
+                problem = _diff(_canonical(gloo_out()), outputs())
                 if problem and not (call.op == "reduce" and ex.me != call.root):  # gloo scribbles there
-                    mismatches.append(f"seed={seed} call {call.seed}: {call} on rank {me}: tpu vs gloo: {problem}")
+                    mismatches.append(f"seed={seed} call {call.index}: {call} on rank {me}: tpu vs gloo: {problem}")
 
     for call in plan:
         if not call.async_op and pending:  # batch ends are global, so members settle in one order
@@ -447,7 +454,7 @@ def run_plan(seed: int, num_calls: int, start: int = 0, stop: int | None = None,
         try:
             work, outputs = ex.issue(pair[0])
         except Exception as e:  # noqa: BLE001 - reported with the call that raised, then stop
-            mismatches.append(f"seed={seed} call {call.seed}: {call} on rank {me}: tpu raised "
+            mismatches.append(f"seed={seed} call {call.index}: {call} on rank {me}: tpu raised "
                               f"{type(e).__name__}: {e}"[:600])
             break
         tpu_s += time.perf_counter() - t0
@@ -460,30 +467,34 @@ def run_plan(seed: int, num_calls: int, start: int = 0, stop: int | None = None,
     return SoakReport(me, len(plan), tpu_s, time.perf_counter() - began, gloo_checked, tuple(mismatches))
 
 
-def soak(world_size: int, num_calls: int, seed: int, *, chunk: int = 500, timeout: float = 600.0,
-         compare_gloo: bool = True, out=print) -> list[str]:
-    """Runs a plan on ``world_size`` fresh "tpu" ranks in chunks, printing progress; returns mismatches."""
+def soak(world_size: int, num_calls: int, seed: int, *, chunk: int = 500, passes: int = 1,
+         timeout: float = 600.0, compare_gloo: bool = True, out=print) -> list[str]:
+    """Runs a plan on ``world_size`` fresh "tpu" ranks in chunks, printing progress; returns mismatches.
+
+    Later ``passes`` replay the plan with every program compiled: they measure dispatch, not XLA compiles.
+    Stops at the first chunk with a mismatch, a crash or a hang (named with the seed and calls).
+    """
     from tpudist.testing import RankError, RankPool, RankTimeout
 
     mismatches: list[str] = []
-    tpu_s = total_s = 0.0
-    done = 0
     with RankPool(world_size, backend="tpu", timeout=timeout) as pool:
-        for start in range(0, num_calls, chunk):
-            stop = min(num_calls, start + chunk)
-            try:
-                reports = pool.run(run_plan, seed, num_calls, start, stop, compare_gloo=compare_gloo)
-            except (RankError, RankTimeout) as e:  # a hang or a crash is a finding too: name the calls
-                mismatches.append(f"seed={seed} calls {start}..{stop - 1}: {type(e).__name__}: {e}"[:3000])
-                break
-            done = stop
-            tpu_s += max(r.tpu_seconds for r in reports)
-            total_s += max(r.total_seconds for r in reports)
-            found = [m for r in reports for m in r.mismatches]
-            mismatches += found
-            out(f"calls {done}/{num_calls}: {done / tpu_s:,.0f} tpu calls/s (tpu time only), "
-                f"{done / total_s:,.0f} calls/s with checks, mismatches {len(mismatches)}")
-            if found:
+        for run in range(passes):
+            tpu_s = total_s = 0.0
+            for start in range(0, num_calls, chunk):
+                stop = min(num_calls, start + chunk)
+                try:
+                    reports = pool.run(run_plan, seed, num_calls, start, stop, compare_gloo=compare_gloo)
+                except (RankError, RankTimeout) as e:  # a hang or a crash is a finding too: name the calls
+                    mismatches.append(f"seed={seed} calls {start}..{stop - 1}: {type(e).__name__}: {e}"[:3000])
+                    break
+                tpu_s += max(r.tpu_seconds for r in reports)
+                total_s += max(r.total_seconds for r in reports)
+                mismatches += [m for r in reports for m in r.mismatches]
+                out(f"pass {run + 1}: calls {stop}/{num_calls}: {stop / tpu_s:,.0f} tpu calls/s (tpu time only), "
+                    f"{stop / total_s:,.0f} calls/s with checks, mismatches {len(mismatches)}")
+                if mismatches:
+                    break
+            if mismatches:
                 break
     for m in mismatches:
         out(f"MISMATCH {m}")
