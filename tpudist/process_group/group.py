@@ -7,7 +7,6 @@ the program to the process's comm stream. Results are written back into the call
 
 from __future__ import annotations
 
-import functools
 import gc
 import time
 from datetime import timedelta
@@ -20,6 +19,10 @@ import torch.distributed.distributed_c10d as c10d
 
 from tpudist.process_group import programs, runtime
 from tpudist.process_group import tensors as tz
+from tpudist.process_group.checks import (STUCK_GRACE_S, check_device, check_numel,
+                                          check_same_dtype, looks_like_peer_loss,
+                                          looks_like_timeout)
+from tpudist.process_group.p2p import P2P
 from tpudist.process_group.programs import ProgramKey
 from tpudist.process_group.work import (STREAM, CollectiveError, CollectiveMismatch,
                                         CollectiveTimeout, Work)
@@ -130,14 +133,14 @@ class ProcessGroupTPU(dist.ProcessGroup):
             with jax.enable_x64(tz.needs_x64(block.dtype)):
                 result, fingerprints = compiled.run(block, fingerprint)
         except Exception as e:  # XLA raises ValueError/JaxRuntimeError: make it a c10d-style error
-            if _looks_like_timeout(e):
+            if looks_like_timeout(e):
                 missing = self._absent_ranks(key.group, seq)
                 raise CollectiveTimeout(
                     f"{self._describe(op)}: collective #{seq} over global ranks {list(key.group)} did "
                     f"not complete within the timeout; ranks {missing} never reached it (a rank "
                     "that is hung elsewhere, took another branch, or died). Rank "
                     f"{self.rank()} saw: {e}") from e
-            if _looks_like_peer_loss(e):
+            if looks_like_peer_loss(e):
                 missing = self._absent_ranks(key.group, seq)
                 raise CollectiveError(
                     f"{self._describe(op)}: collective #{seq} over global ranks {list(key.group)} lost "
@@ -162,7 +165,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         prefix = f"tpudist/stuck/{'-'.join(map(str, device_set))}/{seq}"
         try:
             store.set(f"{prefix}/{me}", b"1")
-            deadline = time.monotonic() + _STUCK_GRACE_S
+            deadline = time.monotonic() + STUCK_GRACE_S
             missing = [r for r in device_set if r != me]
             while missing and time.monotonic() < deadline:
                 missing = [r for r in missing if not store.check([f"{prefix}/{r}"])]
@@ -212,7 +215,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         if len(tensors) != 1:
             raise ValueError(f"{op}: takes exactly one tensor per rank, got {len(tensors)}; tpudist "
                              "drives one device per process")
-        return _check_device(op, tensors[0])
+        return check_device(op, tensors[0])
 
     # -- reductions -------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -239,8 +242,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()
-        tensors = [_check_device("all_reduce_coalesced", t) for t in tensors]
-        _check_same_dtype("all_reduce_coalesced", tensors)
+        tensors = [check_device("all_reduce_coalesced", t) for t in tensors]
+        check_same_dtype("all_reduce_coalesced", tensors)
         if not tensors:
             return _done_work(self._describe("all_reduce_coalesced"), self._timeout, [])
         reduce, static = self._reduce_name("all_reduce_coalesced", opts.reduceOp, tensors[0].dtype)
@@ -261,11 +264,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
         if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
             raise ValueError(f"reduce_scatter: needs a list of size={self.size()} input tensors, got "
                              f"{[len(x) for x in input_tensors]}")
-        chunks = [_check_device("reduce_scatter", t) for t in input_tensors[0]]
-        _check_same_dtype("reduce_scatter", [out, *chunks])
-        _check_numel("reduce_scatter", "input_list[rank]", chunks[self.rank()], out.numel())
+        chunks = [check_device("reduce_scatter", t) for t in input_tensors[0]]
+        check_same_dtype("reduce_scatter", [out, *chunks])
+        check_numel("reduce_scatter", "input_list[rank]", chunks[self.rank()], out.numel())
         width = max(t.numel() for t in chunks)
-        block = np.stack([_padded(tz.as_numeric(t).reshape(-1), width) for t in chunks])
+        block = np.stack([tz.padded(tz.as_numeric(t).reshape(-1), width) for t in chunks])
         return self._reduce_scatter_block("reduce_scatter", block, [out], opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
@@ -275,11 +278,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         op = "reduce_scatter_tensor"
         opts = opts or dist.ReduceScatterOptions()
-        outputs = [_check_device(op, t) for t in outputs]
-        inputs = [_check_device(op, t) for t in inputs]
-        _check_same_dtype(op, [*outputs, *inputs])
+        outputs = [check_device(op, t) for t in outputs]
+        inputs = [check_device(op, t) for t in inputs]
+        check_same_dtype(op, [*outputs, *inputs])
         for out, inp in zip(outputs, inputs, strict=True):
-            _check_numel(op, "input", inp, out.numel() * self.size())
+            check_numel(op, "input", inp, out.numel() * self.size())
         n = self.size()
         block = np.concatenate([tz.as_numeric(t).reshape(n, -1) for t in inputs], axis=1)
         return self._reduce_scatter_block(op, block, outputs, opts)
@@ -305,9 +308,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
         if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
             raise ValueError(f"all_gather: needs a list of size={self.size()} output tensors, got "
                              f"{[len(x) for x in output_tensors]}")
-        outs = [_check_device("all_gather", t) for t in output_tensors[0]]
-        _check_same_dtype("all_gather", [inp, *outs])
-        _check_numel("all_gather", f"output_list[{self.rank()}]", outs[self.rank()], inp.numel())
+        outs = [check_device("all_gather", t) for t in output_tensors[0]]
+        check_same_dtype("all_gather", [inp, *outs])
+        check_numel("all_gather", f"output_list[{self.rank()}]", outs[self.rank()], inp.numel())
         return self._gather_bytes("all_gather", [inp], [outs], opts.asyncOp)
 
     def all_gather_single(self, output, input, opts=None):
@@ -317,11 +320,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         op = "all_gather_into_tensor"
         opts = opts or c10d.AllgatherOptions()
-        outputs = [_check_device(op, t) for t in outputs]
-        inputs = [_check_device(op, t) for t in inputs]
+        outputs = [check_device(op, t) for t in outputs]
+        inputs = [check_device(op, t) for t in inputs]
         for out, inp in zip(outputs, inputs, strict=True):
-            _check_same_dtype(op, [out, inp])
-            _check_numel(op, "output", out, inp.numel() * self.size())
+            check_same_dtype(op, [out, inp])
+            check_numel(op, "output", out, inp.numel() * self.size())
         # Non-contiguous outputs receive through a contiguous staging tensor.
         staged = [out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
                   for out in outputs]
@@ -339,7 +342,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         opts = opts or c10d.AllgatherOptions()
-        inputs = [_check_device("all_gather_coalesced", t) for t in input_list]
+        inputs = [check_device("all_gather_coalesced", t) for t in input_list]
         if len(output_lists) != len(inputs):
             raise ValueError(f"all_gather_coalesced: {len(output_lists)} output lists for "
                              f"{len(inputs)} inputs; give one list of size={self.size()} per input")
@@ -351,10 +354,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
         Uneven sizes (known to every rank from the output shapes) are padded to the largest.
         """
-        sizes = [[_nbytes(o) for o in row] for row in outputs]  # [input k][rank r]
+        sizes = [[tz.nbytes_of(o) for o in row] for row in outputs]  # [input k][rank r]
         widths = [max(row) for row in sizes]
         unit = tz.byte_unit(int(np.gcd.reduce([*widths, *(s for row in sizes for s in row), 4])))
-        block = np.concatenate([_padded(_raw(t, unit), w // unit.itemsize)
+        block = np.concatenate([tz.padded(tz.raw(t, unit), w // unit.itemsize)
                                 for t, w in zip(inputs, widths)]) if inputs else np.zeros(0, unit)
 
         def finish(out):  # out: (n, sum(widths) / unit)
@@ -364,7 +367,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             offset = 0
             for row, width in zip(outputs, widths):
                 for r, o in enumerate(row):
-                    _write_raw(o, raw[r, offset:offset + _nbytes(o)])
+                    tz.write_raw(o, raw[r, offset:offset + tz.nbytes_of(o)])
                 offset += width
             return [o for row in outputs for o in row]
 
@@ -377,12 +380,12 @@ class ProcessGroupTPU(dist.ProcessGroup):
         if self.rank() == root:
             if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
                 raise ValueError(f"gather: dst needs a list of size={self.size()} output tensors")
-            outs = [_check_device("gather", t) for t in output_tensors[0]]
-            _check_same_dtype("gather", [inp, *outs])
+            outs = [check_device("gather", t) for t in output_tensors[0]]
+            check_same_dtype("gather", [inp, *outs])
             for t in outs:
-                _check_numel("gather", "output", t, inp.numel())
+                check_numel("gather", "output", t, inp.numel())
         else:
-            outs = [_Sized(tz.nbytes(inp))] * self.size()
+            outs = [tz.Sized(tz.nbytes(inp))] * self.size()
         return self._gather_bytes("gather", [inp], [outs], opts.asyncOp, root=root)
 
     def broadcast(self, tensors, opts=None):
@@ -408,16 +411,16 @@ class ProcessGroupTPU(dist.ProcessGroup):
         if self.rank() == root:
             if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
                 raise ValueError(f"scatter: src needs a list of size={self.size()} input tensors")
-            chunks = [_check_device("scatter", t) for t in input_tensors[0]]
-            _check_same_dtype("scatter", [out, *chunks])
+            chunks = [check_device("scatter", t) for t in input_tensors[0]]
+            check_same_dtype("scatter", [out, *chunks])
             for t in chunks:
-                _check_numel("scatter", "input", t, out.numel())
-            block = np.stack([_raw(t, unit) for t in chunks])
+                check_numel("scatter", "input", t, out.numel())
+            block = np.stack([tz.raw(t, unit) for t in chunks])
         else:
             block = np.zeros((self.size(), width // unit.itemsize), unit)
 
         def finish(res):
-            _write_raw(out, res.view(np.uint8))
+            tz.write_raw(out, res.view(np.uint8))
             return [out]
 
         return self._submit("scatter", self._key("scatter", block, static=(root,)), block, finish,
@@ -430,14 +433,14 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         op, n = "all_to_all_single", self.size()
         opts = opts or dist.AllToAllOptions()
-        output, input = _check_device(op, output), _check_device(op, input)
-        _check_same_dtype(op, [output, input])
+        output, input = check_device(op, output), check_device(op, input)
+        check_same_dtype(op, [output, input])
         if not output_split_sizes and not input_split_sizes:
             if input.numel() != output.numel() or (input.dim() and input.shape[0] % n):
                 raise ValueError(f"{op}: without split sizes, input.shape[0] must divide by group "
                                  f"size={n} and output.numel() must equal input.numel(); got "
                                  f"input.shape={tuple(input.shape)}, output.shape={tuple(output.shape)}")
-            block = _raw(input, tz.byte_unit(tz.nbytes(input) // n)).reshape(n, -1)
+            block = tz.raw(input, tz.byte_unit(tz.nbytes(input) // n)).reshape(n, -1)
 
             def finish(out):
                 tz.write_bytes(output, out)
@@ -460,9 +463,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
         if len(output_tensors) != n or len(input_tensors) != n:
             raise ValueError(f"{op}: needs size={n} input and output tensors, got "
                              f"{len(input_tensors)} inputs and {len(output_tensors)} outputs")
-        inputs = [_check_device(op, t) for t in input_tensors]
-        outputs = [_check_device(op, t) for t in output_tensors]
-        _check_same_dtype(op, [*inputs, *outputs])
+        inputs = [check_device(op, t) for t in input_tensors]
+        outputs = [check_device(op, t) for t in output_tensors]
+        check_same_dtype(op, [*inputs, *outputs])
         return self._all_to_all_ragged(op, inputs, outputs, opts.asyncOp, result=outputs)
 
     def _all_to_all_ragged(self, op: str, inputs, outputs, async_op: bool, result):
@@ -488,10 +491,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
                     + ", ".join(f"{i}->{j}: {matrix[i, j]}/{expected[i, j]}" for i, j in bad))
             width = int(matrix.max())
             unit = tz.byte_unit(int(np.gcd.reduce([*matrix.reshape(-1), width, 4])))
-            block = np.stack([_padded(_raw(t, unit), width // unit.itemsize) for t in inputs])
+            block = np.stack([tz.padded(tz.raw(t, unit), width // unit.itemsize) for t in inputs])
             out = self._run_program(op, self._key("all_to_all", block), block).view(np.uint8)
             for r, t in enumerate(outputs):
-                _write_raw(t, out[r, :recv[r]])
+                tz.write_raw(t, out[r, :recv[r]])
             return result
 
         return self._enqueue(work, task, async_op)
@@ -499,11 +502,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
     # -- point to point: a 2-device ppermute, both sides dispatching the same program -------------
     def send(self, tensors, dst_rank, tag=0):
         t = self._one("send", tensors)
-        return _P2P.post(self, "send", t, self._check_rank("send", "dst", dst_rank), tag)
+        return P2P.post(self, "send", t, self._check_rank("send", "dst", dst_rank), tag)
 
     def recv(self, tensors, src_rank, tag=0):
         t = self._one("recv", tensors)
-        return _P2P.post(self, "recv", t, self._check_rank("recv", "src", src_rank), tag)
+        return P2P.post(self, "recv", t, self._check_rank("recv", "src", src_rank), tag)
 
     def recv_anysource(self, tensors, tag=0):
         raise NotImplementedError(
@@ -539,14 +542,14 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     # -- lifecycle --------------------------------------------------------------------------------
     def _enqueue(self, work: Work, task: Callable[[], Any], async_op: bool) -> Work:
-        _P2P.flush()  # pending sends/recvs were issued first: keep the order on every rank
+        P2P.flush()  # pending sends/recvs were issued first: keep the order on every rank
         if self._coalescing is not None:
             self._coalescing.append(work)
             async_op = True
         return STREAM.submit(work, task, async_op=async_op)
 
     def shutdown(self) -> None:
-        _P2P.flush()
+        P2P.flush()
         STREAM.drain()
         if self._is_world:
             runtime.shutdown(owner=self)
@@ -563,131 +566,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._timeout = timeout
 
 
-# -- point to point ---------------------------------------------------------------------------------
-class _DeferredWork(Work):
-    """A send or recv: it runs when waited on, or before the process's next collective."""
-
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        _P2P.flush()
-        return super().wait(timeout)
-
-    def get_future(self) -> torch.futures.Future:
-        _P2P.flush()
-        return super().get_future()
-
-
-class _PointToPoint:
-    """Pending sends and recvs of this process, issued in one global order.
-
-    XLA has no eager send: a transfer is a 2-device ``ppermute`` that both sides must dispatch. The
-    sides agree on the order without talking by sorting by (sender, receiver, tag), then issue
-    order; ``batch_isend_irecv`` with sends both ways between two ranks therefore cannot deadlock.
-    """
-
-    def __init__(self) -> None:
-        self._pending: list[tuple] = []
-        self._seq = 0
-
-    def post(self, group: ProcessGroupTPU, kind: str, t: torch.Tensor, peer: int, tag: int) -> Work:
-        if peer == group.rank():
-            raise ValueError(f"{kind}: rank {peer} cannot {kind} to itself; use a copy")
-        me, other = group.global_ranks[group.rank()], group.global_ranks[peer]
-        src, dst = (me, other) if kind == "send" else (other, me)
-        work = _DeferredWork(f"{kind} {src}->{dst} (tag {tag}) of {tuple(t.shape)} {t.dtype}",
-                             group._timeout)  # noqa: SLF001
-        self._seq += 1
-        self._pending.append(((src, dst, tag), self._seq, group, kind, t, work))
-        return work
-
-    def flush(self) -> None:
-        pending, self._pending = sorted(self._pending, key=lambda p: (p[0], p[1])), []
-        for (src, dst, _), _, group, kind, t, work in pending:
-            STREAM.submit(work, functools.partial(_transfer, group, kind, t, src, dst), async_op=True)
-
-
-def _transfer(group: ProcessGroupTPU, kind: str, t: torch.Tensor, src: int, dst: int):
-    pair = (min(src, dst), max(src, dst))
-    unit = tz.byte_unit(tz.nbytes(t))
-    block = _raw(t, unit) if kind == "send" else np.zeros(tz.nbytes(t) // unit.itemsize, unit)
-    key = ProgramKey("permute", tuple(block.shape), block.dtype.name, pair,
-                     static=((pair.index(src), pair.index(dst)),))
-    out = group._run_program(kind, key, block)  # noqa: SLF001
-    if kind == "recv":
-        _write_raw(t, out.view(np.uint8))
-    return [t]
-
-
-_P2P = _PointToPoint()
-
-
-# -- checks and byte helpers ------------------------------------------------------------------------
-_STUCK_GRACE_S = 5.0  # how long timed-out ranks wait for each other's report before naming absentees
-
-
-def _looks_like_timeout(e: Exception) -> bool:
-    text = str(e).lower()
-    return "timed out" in text or "timeout" in text or "deadline" in text
-
-
-def _looks_like_peer_loss(e: Exception) -> bool:
-    text = str(e).lower()
-    return "closed by peer" in text or "connection reset" in text or "socket closed" in text
-
-
-
-def _check_device(op: str, t: Any) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{op}: tensor is on device={t.device}, but tpudist ranks hold their data on "
-                         "the host (cpu) in this release; move it with .cpu()")
-    if t.is_sparse:
-        raise TypeError(f"{op}: sparse tensors are not supported; pass t.to_dense()")
-    return t
-
-
-def _check_same_dtype(op: str, tensors: list[torch.Tensor]) -> None:
-    dtypes = sorted({str(t.dtype) for t in tensors})
-    if len(dtypes) > 1:
-        raise TypeError(f"{op}: all tensors must have one dtype, got dtypes={dtypes}")
-
-
-def _check_numel(op: str, what: str, t: torch.Tensor, numel: int) -> None:
-    if t.numel() != numel:
-        raise ValueError(f"{op}: {what} has {t.numel()} elements (shape {tuple(t.shape)}) but "
-                         f"{numel} are needed")
-
-
 def _live_groups() -> list[Any]:
     return [g for g in c10d._world.pg_map if isinstance(g, ProcessGroupTPU)]  # noqa: SLF001
-
-
-class _Sized:
-    """Stands for an output a rank does not hold (gather on a non-root rank): only its size."""
-
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
-
-
-def _nbytes(t: Any) -> int:
-    return t.nbytes if isinstance(t, _Sized) else tz.nbytes(t)
-
-
-def _raw(t: torch.Tensor, unit: np.dtype) -> np.ndarray:
-    return tz.as_bytes(t).view(unit)
-
-
-def _write_raw(t: Any, raw: np.ndarray) -> None:
-    if isinstance(t, torch.Tensor):
-        tz.write_bytes(t, raw)
-
-
-def _padded(arr: np.ndarray, width: int) -> np.ndarray:
-    if arr.shape[0] == width:
-        return arr
-    out = np.zeros(width, arr.dtype)
-    out[:arr.shape[0]] = arr
-    return out
 
 
 def _done_work(description: str, timeout: timedelta, result: Any) -> Work:

@@ -78,3 +78,31 @@ def _copy_into(out: torch.Tensor, arr: np.ndarray) -> None:
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+class Sized:
+    """Stands for an output a rank does not hold (gather on a non-root rank): only its size."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+
+def nbytes_of(t: Any) -> int:
+    return t.nbytes if isinstance(t, Sized) else nbytes(t)
+
+
+def raw(t: torch.Tensor, unit: np.dtype) -> np.ndarray:
+    return as_bytes(t).view(unit)
+
+
+def write_raw(t: Any, raw: np.ndarray) -> None:
+    if isinstance(t, torch.Tensor):
+        write_bytes(t, raw)
+
+
+def padded(arr: np.ndarray, width: int) -> np.ndarray:
+    if arr.shape[0] == width:
+        return arr
+    out = np.zeros(width, arr.dtype)
+    out[:arr.shape[0]] = arr
+    return out

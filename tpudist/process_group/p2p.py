@@ -1,0 +1,70 @@
+"""Point to point: a send or recv is a 2-device ``ppermute`` that both sides dispatch."""
+
+from __future__ import annotations
+
+import functools
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpudist.process_group import tensors as tz
+from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.work import STREAM, Work
+
+
+class DeferredWork(Work):
+    """A send or recv: it runs when waited on, or before the process's next collective."""
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        P2P.flush()
+        return super().wait(timeout)
+
+    def get_future(self) -> torch.futures.Future:
+        P2P.flush()
+        return super().get_future()
+
+
+class PointToPoint:
+    """Pending sends and recvs of this process, issued in one global order.
+
+    XLA has no eager send: a transfer is a 2-device ``ppermute`` that both sides must dispatch. The
+    sides agree on the order without talking by sorting by (sender, receiver, tag), then issue
+    order; ``batch_isend_irecv`` with sends both ways between two ranks therefore cannot deadlock.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple] = []
+        self._seq = 0
+
+    def post(self, group: Any, kind: str, t: torch.Tensor, peer: int, tag: int) -> Work:
+        if peer == group.rank():
+            raise ValueError(f"{kind}: rank {peer} cannot {kind} to itself; use a copy")
+        me, other = group.global_ranks[group.rank()], group.global_ranks[peer]
+        src, dst = (me, other) if kind == "send" else (other, me)
+        work = DeferredWork(f"{kind} {src}->{dst} (tag {tag}) of {tuple(t.shape)} {t.dtype}",
+                             group._timeout)  # noqa: SLF001
+        self._seq += 1
+        self._pending.append(((src, dst, tag), self._seq, group, kind, t, work))
+        return work
+
+    def flush(self) -> None:
+        pending, self._pending = sorted(self._pending, key=lambda p: (p[0], p[1])), []
+        for (src, dst, _), _, group, kind, t, work in pending:
+            STREAM.submit(work, functools.partial(_transfer, group, kind, t, src, dst), async_op=True)
+
+
+def _transfer(group: Any, kind: str, t: torch.Tensor, src: int, dst: int):
+    pair = (min(src, dst), max(src, dst))
+    unit = tz.byte_unit(tz.nbytes(t))
+    block = tz.raw(t, unit) if kind == "send" else np.zeros(tz.nbytes(t) // unit.itemsize, unit)
+    key = ProgramKey("permute", tuple(block.shape), block.dtype.name, pair,
+                     static=((pair.index(src), pair.index(dst)),))
+    out = group._run_program(kind, key, block)  # noqa: SLF001
+    if kind == "recv":
+        tz.write_raw(t, out.view(np.uint8))
+    return [t]
+
+
+P2P = PointToPoint()
