@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 import rank_fns
-from tpudist.testing import RankError, RankPool, free_port, run_ranks
+from tpudist.testing import RankError, RankPool, run_command, run_ranks, torchrun_command
 
 
 @pytest.fixture(scope="module")
@@ -100,18 +96,8 @@ def test_backend_is_found_under_torchrun_without_importing_tpudist(tmp_path):
         print(f"rank {dist.get_rank()} sum {t.item()} backend {dist.get_backend()}", flush=True)
         dist.destroy_process_group()
     """))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, out
+    returncode, out = run_command(torchrun_command(2, str(script)), timeout=180)
+    assert returncode == 0, out
     assert "rank 0 sum 3.0 backend tpu" in out and "rank 1 sum 3.0 backend tpu" in out
 
 

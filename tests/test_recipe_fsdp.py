@@ -8,16 +8,12 @@ Each recipe's ``main`` also runs inside an existing process group (a RankPool), 
 from __future__ import annotations
 
 import json
-import os
 import runpy
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tpudist.testing import RankPool, free_port
+from tpudist.testing import RankPool, run_command, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
@@ -27,19 +23,9 @@ TINY = ["--vocab-size", "64", "--dim", "32", "--n-heads", "2", "--n-kv-heads", "
 
 def torchrun(recipe: str, nproc: int, *args: str) -> str:
     """Runs ``recipes/<recipe>`` under torchrun; returns its stdout; kills the whole session on timeout."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), f"recipes/{recipe}", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("TPUDIST_TOPOLOGY", None)
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(command)} did not finish within {TIMEOUT_S}s:\n{out[-3000:]}")
-    assert proc.returncode == 0, f"{' '.join(command)} exited with {proc.returncode}:\n{out[-5000:]}"
+    command = torchrun_command(nproc, f"recipes/{recipe}", *args)
+    returncode, out = run_command(command, cwd=REPO, timeout=TIMEOUT_S, env={"TPUDIST_TOPOLOGY": None})
+    assert returncode == 0, f"{' '.join(command)} exited with {returncode}:\n{out[-5000:]}"
     return out
 
 

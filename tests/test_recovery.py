@@ -113,32 +113,17 @@ if __name__ == "__main__":
 # -- the tests ----------------------------------------------------------------------------------------
 import pytest  # noqa: E402 - the workers above need none of the test machinery
 
-from tpudist.testing import RankPool, free_port  # noqa: E402
+from tpudist.testing import RankPool, run_command, torchrun_command  # noqa: E402
 
 
 def torchrun(run_dir: Path, faults: list[Fault], max_restarts: int) -> str:
     """The fault-injected recipe under torchrun (2 ranks); returns its output. Kills the session on timeout."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__, *TINY, "--resume",
-               "--checkpoint-dir", str(run_dir / "ckpt"), "--metrics-path", str(run_dir / "metrics.{attempt}.jsonl")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{
-        _FAULTS_ENV: ";".join(map(str, faults)), _FIRED_ENV: str(run_dir)})
-    env.pop("TPUDIST_TOPOLOGY", None)
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        out = ""
-        pytest.fail(f"{' '.join(command)} did not finish within {TIMEOUT_S}s")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the agent and any worker it left behind
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    assert proc.returncode == 0, f"{' '.join(command)} exited with {proc.returncode}:\n{out[-6000:]}"
+    command = torchrun_command(2, __file__, *TINY, "--resume", "--checkpoint-dir", str(run_dir / "ckpt"),
+                               "--metrics-path", str(run_dir / "metrics.{attempt}.jsonl"),
+                               max_restarts=max_restarts)
+    env = {_FAULTS_ENV: ";".join(map(str, faults)), _FIRED_ENV: str(run_dir), "TPUDIST_TOPOLOGY": None}
+    returncode, out = run_command(command, cwd=REPO, env=env, timeout=TIMEOUT_S)
+    assert returncode == 0, f"{' '.join(command)} exited with {returncode}:\n{out[-6000:]}"
     return out
 
 

@@ -3,16 +3,13 @@ and a local reference. Plans are values (tested here without processes); runs us
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tpudist.testing import RankPool
+from tpudist.testing import RankPool, run_command
 from tpudist.testing.soak import OPS, Call, _diff, _fold, gloo_can, group_specs, make_plan, run_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,16 +112,7 @@ def test_groups_sharing_members_never_cross_silently(pool4):
 def test_soak_command_2_ranks():
     command = [sys.executable, "-m", "tpudist", "soak", "--ranks", "2", "--calls", "200", "--seed", "2",
                "--chunk", "100", "--timeout", "60"]
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        out, _ = proc.communicate(timeout=150)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    assert proc.returncode == 0, out[-4000:]
+    returncode, out = run_command(command, cwd=REPO, timeout=150)
+    assert returncode == 0, out[-4000:]
     assert "calls 200/200:" in out and "mismatches 0" in out and "MISMATCH" not in out, out[-4000:]
     assert "calls/s" in out

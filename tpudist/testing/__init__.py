@@ -12,6 +12,8 @@ Example:
     [1.0, 1.0]
 """
 
+from tpudist.testing._commands import run_command, torchrun_command
 from tpudist.testing._pool import RankError, RankPool, RankTimeout, free_port, run_ranks
 
-__all__ = ["RankError", "RankPool", "RankTimeout", "free_port", "run_ranks"]
+__all__ = ["RankError", "RankPool", "RankTimeout", "free_port", "run_command", "run_ranks",
+           "torchrun_command"]
