@@ -61,6 +61,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._global_ranks = global_ranks
         self._is_world = global_ranks == tuple(range(len(global_ranks))) and not runtime.is_booted()
         self._name = ""
+        self._group_code = programs.group_code("")
         self._desc = ""
         self._coalescing: list[Work] | None = None
         self._programs_run: dict[tuple[int, ...], int] = {}  # per device set: the call sequence
@@ -82,6 +83,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     def setGroupName(self, name: str) -> None:
         self._name = name
+        self._group_code = programs.group_code(name)  # in every fingerprint: computed once
 
     def getGroupName(self) -> str:
         return self._name
@@ -128,24 +130,17 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
         compiled = programs.program(key)
         seq = self._programs_run[key.group] = self._programs_run.get(key.group, 0) + 1
-        fingerprint = compiled.call_fingerprint(programs.group_code(self._name), seq)
+        fingerprint = compiled.call_fingerprint(self._group_code, seq)
         try:
             with jax.enable_x64(tz.needs_x64(block.dtype)):
                 result, fingerprints = compiled.run(block, fingerprint)
         except Exception as e:  # XLA raises ValueError/JaxRuntimeError: make it a c10d-style error
-            if looks_like_timeout(e):
-                missing = self._absent_ranks(key.group, seq)
-                raise CollectiveTimeout(
-                    f"{self._describe(op)}: collective #{seq} over global ranks {list(key.group)} did "
-                    f"not complete within the timeout; ranks {missing} never reached it (a rank "
-                    "that is hung elsewhere, took another branch, or died). Rank "
-                    f"{self.rank()} saw: {e}") from e
-            if looks_like_peer_loss(e):
-                missing = self._absent_ranks(key.group, seq)
-                raise CollectiveError(
-                    f"{self._describe(op)}: collective #{seq} over global ranks {list(key.group)} lost "
-                    f"its peers; ranks {missing} did not report (they died or hang). Rank "
-                    f"{self.rank()} saw: {e}") from e
+            for looks_like, error, what in _FAILURES:
+                if looks_like(e):
+                    missing = self._absent_ranks(key.group, seq)
+                    raise error(
+                        f"{self._describe(op)}: collective #{seq} over global ranks {list(key.group)} "
+                        f"{what.format(missing=missing)}. Rank {self.rank()} saw: {e}") from e
             raise CollectiveError(f"{self._describe(op)} failed on rank {self.rank()}: {e}") from e
         if not (fingerprints == fingerprint).all():
             self._programs_run[key.group] -= 1  # nothing ran: keep the ranks' counts aligned
@@ -564,6 +559,14 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout = timeout
+
+
+# How XLA's failures read, what tpudist raises for them, and how the message puts it.
+_FAILURES = (
+    (looks_like_timeout, CollectiveTimeout, "did not complete within the timeout; ranks {missing} never "
+                                            "reached it (a rank that is hung elsewhere, took another branch, or died)"),
+    (looks_like_peer_loss, CollectiveError, "lost its peers; ranks {missing} did not report (they died or hang)"),
+)
 
 
 def _live_groups() -> list[Any]:
