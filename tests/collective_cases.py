@@ -54,6 +54,14 @@ def member(spec) -> bool:
     return spec is None or dist.get_rank() in spec
 
 
+def on_path(small: bool, fn, *args):
+    """Runs ``fn`` with the envelope path for small collectives on or off (every rank alike)."""
+    from tpudist.process_group import programs
+
+    with programs.small_collectives(small):
+        return fn(*args)
+
+
 def make(shape, dtype, seed: int, rank: int | None = None) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1000 + (dist.get_rank() if rank is None else rank))
     if dtype == torch.bool:

@@ -18,6 +18,15 @@ def _specs(pool):
     return [None, (0, pool.world_size - 1)] + ([(1, 2, 3), (3, 1)] if pool.world_size >= 4 else [])
 
 
+# "envelope": small collectives finish in the rows exchange every program starts with (the default);
+# "full": every op runs its full XLA lowering. Both must match gloo.
+PATHS = pytest.mark.parametrize("path", ["envelope", "full"])
+
+
+def _run(pool, path, fn, *args):
+    return pool.run(cc.on_path, path == "envelope", fn, *args)
+
+
 def _check(results, pool):
     problems = [p for rank_problems in results for p in rank_problems]
     if problems:
@@ -25,19 +34,22 @@ def _check(results, pool):
     assert not problems, "\n".join(problems[:20])
 
 
-def test_all_reduce_world_every_op_and_dtype(pool):
-    _check(pool.run(cc.case_all_reduce, None), pool)
+@PATHS
+def test_all_reduce_world_every_op_and_dtype(pool, path):
+    _check(_run(pool, path, cc.case_all_reduce, None), pool)
 
 
-def test_all_reduce_subgroups(pool):
+@PATHS
+def test_all_reduce_subgroups(pool, path):
     for spec in _specs(pool)[1:]:
-        _check(pool.run(cc.case_all_reduce, spec, ["SUM", "MAX", "PRODUCT", "BXOR"],
+        _check(_run(pool, path, cc.case_all_reduce, spec, ["SUM", "MAX", "PRODUCT", "BXOR"],
                         [cc.torch.float32, cc.torch.int64, cc.torch.bool]), pool)
 
 
 @pytest.mark.parametrize("case", ["broadcast_reduce", "all_gather", "reduce_scatter", "all_to_all",
                                   "gather_scatter", "point_to_point", "objects_and_misc"])
-def test_collective_every_dtype_world_and_subgroups(pool, case):
+@PATHS
+def test_collective_every_dtype_world_and_subgroups(pool, case, path):
     fn = getattr(cc, f"case_{case}")
     for spec in _specs(pool):
-        _check(pool.run(fn, spec), pool)
+        _check(_run(pool, path, fn, spec), pool)

@@ -142,7 +142,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                         f"{self._describe(op)}: collective #{seq} over global ranks {list(key.group)} "
                         f"{what.format(missing=missing)}. Rank {self.rank()} saw: {e}") from e
             raise CollectiveError(f"{self._describe(op)} failed on rank {self.rank()}: {e}") from e
-        if not (fingerprints == fingerprint).all():
+        if result is None or not (fingerprints == fingerprint).all():
             self._programs_run[key.group] -= 1  # nothing ran: keep the ranks' counts aligned
             names = {programs.group_code(g.group_name): g.group_name for g in _live_groups()}
             calls = "; ".join(f"rank {r} called {programs.describe_fingerprint(fp, names)}"

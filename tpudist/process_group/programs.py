@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tpudist.process_group import envelope
+
 AXIS = "ranks"
 
 # ReduceOp names (lower case) as they appear in keys and errors.
@@ -58,14 +60,21 @@ class CacheStats:
 
 @dataclass(frozen=True, slots=True)
 class Compiled:
-    """A built program with what each call needs ready: no per-call sharding or aval work."""
+    """A built program with what each call needs ready: no per-call sharding or aval work.
 
-    fn: Callable[[Any, Any], Any]  # (data, fingerprints) -> (result, all fingerprints)
+    Every program first exchanges :mod:`~tpudist.process_group.envelope` rows (fingerprints, and
+    the data itself when it fits); ``fn`` is None when that exchange is the whole collective.
+    """
+
+    key: ProgramKey
+    envelope_fn: Callable[[Any], Any]  # rows -> rows received (shared by a group's small ops)
+    fn: Callable[[Any, Any], Any] | None  # (data, rows) -> (result, fingerprints); None: small
     fingerprint_host: np.ndarray  # what the key decides; a call adds its group and sequence number
-    fingerprint_aval: Any
+    envelope_aval: Any
     aval: Any
     sharding: Any
     device: Any
+    me: int  # this process's index in key.group
 
     def to_global(self, block: np.ndarray) -> Any:
         """The global array whose row i is group rank i's block; ours aliases ``block`` (no copy).
@@ -80,18 +89,41 @@ class Compiled:
         skipped a collective, or issued two groups' collectives in different orders, differ here."""
         return np.concatenate([self.fingerprint_host, np.array([group_code, seq], np.int32)])
 
-    def run(self, block: np.ndarray, fingerprint: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Runs on our block; returns (our result, every rank's fingerprint)."""
-        fps = xla_batched_put(self.fingerprint_aval, self.sharding, fingerprint, self.device)
-        out, fingerprints = self.fn(self.to_global(block), fps)
-        return np.asarray(out._arrays[0])[0], np.asarray(fingerprints._arrays[0])[0]  # noqa: SLF001
+    def run(self, block: np.ndarray, fingerprint: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """Runs on our block; returns (our result, every rank's fingerprint). The result is None
+        when the fingerprints disagree (then no data moved)."""
+        rows = envelope.pack(self.key, block if self.fn is None else None, fingerprint)
+        x_rows = xla_batched_put(self.envelope_aval, self.sharding, rows, self.device)
+        if self.fn is None:
+            got = np.asarray(self.envelope_fn(x_rows)._arrays[0])[0]  # noqa: SLF001
+            fps = envelope.fingerprints(got)
+            agree = (fps == fps[0]).all()
+            return (envelope.finish(self.key, got, self.me) if agree else None), fps
+        out, fps = self.fn(self.to_global(block), x_rows)
+        return np.asarray(out._arrays[0])[0], np.asarray(fps._arrays[0])[0]  # noqa: SLF001
 
 
-_cache: dict[tuple[ProgramKey, bool], Compiled] = {}
+_cache: dict[tuple[ProgramKey, bool, bool], Compiled] = {}
 # Ranks compare fingerprints before moving data (see _build). TPUDIST_VERIFY=0 drops that second
 # collective: tiny collectives then take about half the time, and a rank that issues a different
 # collective than its peers corrupts data or hangs, as with NCCL. Must be the same on every rank.
 _verify = os.environ.get("TPUDIST_VERIFY", "1") != "0"
+
+
+# Collectives whose data fits the envelope finish in its exchange (see envelope.py); the switch
+# exists so tests can run every op through its full program too. Same on every rank.
+_small = True
+
+
+@contextlib.contextmanager
+def small_collectives(enabled: bool):
+    """Scoped switch of the one-exchange path for small collectives (same on every rank)."""
+    global _small
+    saved, _small = _small, enabled
+    try:
+        yield
+    finally:
+        _small = saved
 
 
 @contextlib.contextmanager
@@ -104,6 +136,7 @@ def verify_collectives(enabled: bool):
     finally:
         _verify = saved
 _meshes: dict[tuple[int, ...], Any] = {}
+_envelope_programs: dict[tuple[int, ...], Any] = {}
 _stats = CacheStats()
 _lock = threading.Lock()
 
@@ -117,6 +150,7 @@ def clear_cache() -> None:
     with _lock:
         _cache.clear()
         _meshes.clear()
+        _envelope_programs.clear()
 
 
 def mesh_of(group: tuple[int, ...]) -> Any:
@@ -134,7 +168,7 @@ def mesh_of(group: tuple[int, ...]) -> Any:
 
 def program(key: ProgramKey) -> Compiled:
     """The compiled program for ``key``, built on first use."""
-    entry = (key, _verify)
+    entry = (key, _verify, _small)
     fn = _cache.get(entry)
     if fn is not None:
         _stats.hits += 1
@@ -142,7 +176,7 @@ def program(key: ProgramKey) -> Compiled:
     with _lock:
         fn = _cache.get(entry)
         if fn is None:
-            fn = _cache[entry] = _build(key, _verify)
+            fn = _cache[entry] = _build(key, _verify, _small)
             _stats.misses += 1
             _stats.by_op[key.op] = _stats.by_op.get(key.op, 0) + 1
         else:
@@ -174,44 +208,70 @@ def group_code(name: str) -> int:
     return zlib.crc32(name.encode()) - 2**31
 
 
-def _build(key: ProgramKey, verify: bool) -> Compiled:
-    """The program: agree on fingerprints first, and move data only if every rank agrees.
+def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
+    """The program: exchange envelope rows first, and move data only if every rank agrees.
 
     Ranks that disagree (different op, shape, dtype or reduce op: legal to write, wrong to run)
-    would otherwise exchange mismatched buffers: garbage or a hang. The check is one all_gather of
-    16 bytes per rank inside the same program; the data collective runs under a ``lax.cond`` that
-    every rank evaluates identically.
+    would otherwise exchange mismatched buffers: garbage, or a process abort in gloo. The rows
+    exchange has one shape whatever the op (see :mod:`~tpudist.process_group.envelope`); the data
+    collective runs under a ``lax.cond`` that every rank evaluates identically. Collectives whose
+    data fits the envelope need no second program.
     """
     import jax
     import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
-    body = LOWERINGS[key.op](key)
-    n = len(key.group)
-
-    def unchecked(x, fp):
-        return body(x[0])[None], jnp.broadcast_to(fp, (1, n, *fp.shape[1:]))
-
-    def checked(x, fp):
-        out_shape = jax.eval_shape(body, x[0])  # inside shard_map: the axis name is bound
-        fps = jax.lax.all_gather(fp[0], AXIS, axis=0, tiled=False)
-        agree = jnp.all(fps == fps[0:1])
-        out = jax.lax.cond(agree, lambda v: body(v[0]),
-                           lambda v: jnp.zeros(out_shape.shape, out_shape.dtype), x)
-        return out[None], fps[None]
-
-    mesh = mesh_of(key.group)
-    mapped = jax.shard_map(checked if verify else unchecked, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
-                           out_specs=(P(AXIS), P(AXIS)), check_vma=False)
     from jax._src import core
     from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from tpudist.process_group import runtime
 
-    sharding, device = NamedSharding(mesh, P(AXIS)), runtime.current().local_device
+    n = len(key.group)
+    mesh = mesh_of(key.group)
+    fn = None
+    if not (small and envelope.fits(key)):
+        body = LOWERINGS[key.op](key)
+
+        def unchecked(x, rows):
+            fps = envelope.fingerprints(rows[0])
+            return body(x[0])[None], jnp.broadcast_to(fps[0], fps.shape)[None]
+
+        def checked(x, rows):
+            out_shape = jax.eval_shape(body, x[0])  # inside shard_map: the axis name is bound
+            fps = envelope.fingerprints(_exchange(rows[0]))
+            agree = jnp.all(fps == fps[0:1])
+            out = jax.lax.cond(agree, lambda v: body(v[0]),
+                               lambda v: jnp.zeros(out_shape.shape, out_shape.dtype), x)
+            return out[None], fps[None]
+
+        fn = jax.jit(jax.shard_map(checked if verify else unchecked, mesh=mesh,
+                                   in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS)),
+                                   check_vma=False))
+    rt = runtime.current()
     fp = fingerprint(key)
-    return Compiled(jax.jit(mapped), fp, core.ShapedArray((n, fp.shape[0] + 2), fp.dtype),
-                    core.ShapedArray((n, *key.shape), np.dtype(key.dtype)), sharding, device)
+    return Compiled(key, _envelope_program(key.group), fn, fp,
+                    core.ShapedArray((n, n, envelope.WORDS), np.int32),
+                    core.ShapedArray((n, *key.shape), np.dtype(key.dtype)),
+                    NamedSharding(mesh, P(AXIS)), rt.local_device, key.group.index(rt.process_id))
+
+
+def _exchange(rows):
+    """Row j of ours goes to group rank j; row r of the result came from group rank r."""
+    import jax
+
+    return jax.lax.all_to_all(rows, AXIS, split_axis=0, concat_axis=0, tiled=True)
+
+
+def _envelope_program(group: tuple[int, ...]) -> Callable[[Any], Any]:
+    """The rows exchange alone: the whole program of every collective that fits the envelope."""
+    fn = _envelope_programs.get(group)
+    if fn is None:
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        fn = _envelope_programs[group] = jax.jit(jax.shard_map(
+            lambda rows: _exchange(rows[0])[None], mesh=mesh_of(group), in_specs=P(AXIS),
+            out_specs=P(AXIS), check_vma=False))
+    return fn
 
 
 def xla_batched_put(aval: Any, sharding: Any, block: np.ndarray, device: Any) -> Any:
@@ -235,13 +295,31 @@ def _is_low_precision(dtype: str) -> bool:
     return dtype in ("float16", "bfloat16")
 
 
-def _gather_fold(x, reduce: str):
-    """Reduces by gathering every rank's block and folding in rank order (as gloo does)."""
-    import jax
+def _fold_rows(rows, key: ProgramKey):
+    """Reduces ``rows`` (one per rank, rank order) with ``key.reduce``; as envelope.fold does."""
     import jax.numpy as jnp
 
-    rows = jax.lax.all_gather(x, AXIS, axis=0, tiled=False)
-    return functools.reduce(getattr(jnp, _FOLDED[reduce]), [rows[i] for i in range(rows.shape[0])])
+    reduce = key.reduce
+    if reduce in (SUM, AVG, PREMUL_SUM):
+        # XLA:CPU reduces 16-bit floats ~10x slower than float32 (FACTS.md); float32 is also exact-er.
+        wide = rows.astype(jnp.float32) if _is_low_precision(key.dtype) else rows
+        if reduce == PREMUL_SUM:
+            wide = wide * jnp.asarray(key.static[0], dtype=wide.dtype)
+        total = functools.reduce(jnp.add, [wide[i] for i in range(wide.shape[0])])
+        if reduce == AVG:
+            total = total / wide.shape[0]
+        return total.astype(rows.dtype)
+    fn = {MIN: jnp.minimum, MAX: jnp.maximum}.get(reduce) or getattr(jnp, _FOLDED[reduce])
+    return functools.reduce(fn, [rows[i] for i in range(rows.shape[0])])
+
+
+def _reduce_scatter_rows(x, key: ProgramKey):
+    """Block ``(n, *chunk)`` -> chunk ``i`` of the reduction on rank ``i``, as one all_to_all and a
+    local fold: each rank sends (n-1)/n of its data once, in one round of direct sends. XLA:CPU's
+    own reduce-scatter copies the input and runs gloo's halving-doubling: 1.5-3x slower (measured)."""
+    import jax
+
+    return _fold_rows(jax.lax.all_to_all(x, AXIS, split_axis=0, concat_axis=0, tiled=True), key)
 
 
 def _all_reduce(x, key: ProgramKey):
@@ -249,13 +327,19 @@ def _all_reduce(x, key: ProgramKey):
     import jax.numpy as jnp
 
     reduce, n = key.reduce, len(key.group)
-    if reduce in _FOLDED:
-        return _gather_fold(x, reduce)
     if reduce == MIN:
         return jax.lax.pmin(x, AXIS)
     if reduce == MAX:
         return jax.lax.pmax(x, AXIS)
-    # XLA:CPU reduces 16-bit floats ~10x slower than float32 (FACTS.md); float32 is also more exact.
+    if reduce in _FOLDED:
+        # No XLA all-reduce for bitwise ops or exact products in rank order: reduce-scatter by
+        # all_to_all, fold, all-gather (each rank sends 2(n-1)/n of its data, as a ring does).
+        flat = x.reshape(-1)
+        pad = -flat.shape[0] % n
+        rows = jnp.pad(flat, (0, pad)).reshape(n, -1)
+        part = _reduce_scatter_rows(rows, key)
+        full = jax.lax.all_gather(part, AXIS, axis=0, tiled=True)
+        return full[:flat.shape[0]].reshape(x.shape)
     wide = x.astype(jnp.float32) if _is_low_precision(key.dtype) else x
     if reduce == PREMUL_SUM:
         wide = wide * jnp.asarray(key.static[0], dtype=wide.dtype)
@@ -273,21 +357,7 @@ def _lower_all_reduce(key: ProgramKey):
 @_lowering("reduce_scatter")
 def _lower_reduce_scatter(key: ProgramKey):
     """Block ``(n, *chunk)`` -> chunk ``i`` of the reduction on rank ``i``."""
-    import jax
-    import jax.numpy as jnp
-
-    def body(x):
-        if key.reduce in (SUM, AVG, PREMUL_SUM):
-            wide = x.astype(jnp.float32) if _is_low_precision(key.dtype) else x
-            if key.reduce == PREMUL_SUM:
-                wide = wide * jnp.asarray(key.static[0], dtype=wide.dtype)
-            out = jax.lax.psum_scatter(wide, AXIS, scatter_dimension=0, tiled=False)
-            if key.reduce == AVG:
-                out = out / len(key.group)
-            return out.astype(x.dtype)
-        full = _all_reduce(x, key)
-        return jax.lax.dynamic_index_in_dim(full, jax.lax.axis_index(AXIS), axis=0, keepdims=False)
-    return body
+    return lambda x: _reduce_scatter_rows(x, key)
 
 
 @_lowering("all_gather")
@@ -303,13 +373,6 @@ def _lower_all_to_all(key: ProgramKey):
     import jax
 
     return lambda x: jax.lax.all_to_all(x, AXIS, split_axis=0, concat_axis=0, tiled=True)
-
-
-def _only_root(x, root: int):
-    import jax
-    import jax.numpy as jnp
-
-    return jnp.where(jax.lax.axis_index(AXIS) == root, x, jnp.zeros_like(x))
 
 
 @_lowering("broadcast")
@@ -336,11 +399,11 @@ def _lower_broadcast(key: ProgramKey):
 
 @_lowering("scatter")
 def _lower_scatter(key: ProgramKey):
-    """Block ``(n, *chunk)`` on the root; a psum_scatter of raw bits where only the root adds."""
+    """Block ``(n, *chunk)`` on the root: one all_to_all, each rank keeps the row from the root."""
     import jax
 
-    return lambda x: jax.lax.psum_scatter(_only_root(x, key.static[0]), AXIS, scatter_dimension=0,
-                                          tiled=False)
+    root = key.static[0]
+    return lambda x: jax.lax.all_to_all(x, AXIS, split_axis=0, concat_axis=0, tiled=True)[root]
 
 
 @_lowering("permute")

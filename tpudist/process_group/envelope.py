@@ -1,0 +1,132 @@
+"""The envelope: a fixed-size block every rank sends to every other rank first, in every program.
+
+Each rank sends every peer one row of ``WORDS`` int32: its call fingerprint (:data:`FP_WORDS` words:
+op, reduce op, dtype, size, a hash of the key, group and per-group call number), then up to
+:data:`PAYLOAD_BYTES` bytes of data. The rows travel in one XLA ``all_to_all``: a single round of
+direct sends, which on XLA:CPU's gloo costs what a 4-byte ``psum`` costs, where an ``all_gather``
+of the same 24 bytes costs 1.5-3x more (``benchmarks/collectives.py --breakdown``).
+
+Why every program starts with the same fixed-shape exchange:
+- ranks compare fingerprints before any data moves, so ranks that issued different collectives
+  raise :class:`~tpudist.process_group.work.CollectiveMismatch` instead of exchanging mismatched
+  buffers (garbage, or a gloo size check that aborts the process);
+- the exchange has the same shape whatever each rank called, so even the check itself cannot be
+  a size mismatch;
+- a collective whose data fits the payload is finished by that one exchange: the rows a rank
+  receives hold everything its result depends on, and :func:`finish` computes it on the host
+  (a fold over at most ``n`` rows of at most 1 KiB). One collective instead of two halves the
+  latency of small collectives (the 4-byte all_reduce of a loss or a norm).
+
+What a row carries per op (``n`` = group size; ``block`` is one rank's input as the op's lowering
+sees it, see :mod:`tpudist.process_group.programs`):
+
+    all_reduce, all_gather, broadcast, permute: every row carries the whole block
+    reduce_scatter, all_to_all, scatter:        row j carries block[j] (what rank j needs)
+    barrier:                                    nothing
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from tpudist.process_group.programs import ProgramKey
+
+FP_WORDS = 6
+# 1 KiB: a row exchange of 24 B or of 1 KiB takes the same time on XLA:CPU's gloo (latency bound,
+# measured here), and 1 KiB holds the scalars, norms and size tables training code reduces.
+PAYLOAD_BYTES = 1024
+WORDS = FP_WORDS + PAYLOAD_BYTES // 4
+_OFFSET = FP_WORDS * 4  # payload start, in bytes
+
+_WHOLE_BLOCK = frozenset({"all_reduce", "all_gather", "broadcast", "permute"})
+_ROW_PER_RANK = frozenset({"reduce_scatter", "all_to_all", "scatter"})
+
+
+def row_bytes(key: ProgramKey) -> int | None:
+    """Payload bytes per row for ``key``; None if the op does not travel in the envelope."""
+    nbytes = int(np.prod(key.shape, dtype=np.int64)) * np.dtype(key.dtype).itemsize
+    if key.op in _WHOLE_BLOCK:
+        return nbytes
+    if key.op in _ROW_PER_RANK:
+        return nbytes // len(key.group)
+    return 0 if key.op == "barrier" else None
+
+
+def fits(key: ProgramKey) -> bool:
+    """Whether the whole collective travels in the envelope (one exchange, no second program)."""
+    size = row_bytes(key)
+    return size is not None and size <= PAYLOAD_BYTES
+
+
+def pack(key: ProgramKey, block: np.ndarray | None, fingerprint: np.ndarray) -> np.ndarray:
+    """The ``(n, WORDS)`` int32 rows this rank sends: row j goes to group rank j."""
+    n = len(key.group)
+    rows = np.zeros((n, WORDS), np.int32)
+    rows[:, :FP_WORDS] = fingerprint
+    if block is None or not block.size or key.op == "barrier":
+        return rows
+    raw = rows.view(np.uint8)
+    data = np.ascontiguousarray(block).view(np.uint8)
+    if key.op in _WHOLE_BLOCK:
+        raw[:, _OFFSET:_OFFSET + data.size] = data.reshape(1, -1)
+    else:
+        per_row = data.reshape(n, -1)
+        raw[:, _OFFSET:_OFFSET + per_row.shape[1]] = per_row
+    return rows
+
+
+def fingerprints(rows: np.ndarray) -> np.ndarray:
+    """Every sender's fingerprint from the rows this rank received: ``(n, FP_WORDS)``."""
+    return rows[:, :FP_WORDS]
+
+
+def finish(key: ProgramKey, rows: np.ndarray, me: int) -> np.ndarray:
+    """This rank's result from the rows it received (row r came from group rank r).
+
+    Same result as the op's lowering (:mod:`tpudist.process_group.programs`): folds run in rank
+    order, 16-bit floats are summed in float32.
+    """
+    n = len(key.group)
+    size = row_bytes(key)
+    dtype = np.dtype(key.dtype)
+    data = np.ascontiguousarray(rows.view(np.uint8)[:, _OFFSET:_OFFSET + size]).view(dtype)
+    if key.op == "barrier":
+        return np.zeros(key.shape, dtype)
+    if key.op in ("all_reduce", "reduce_scatter"):
+        part = key.shape if key.op == "all_reduce" else key.shape[1:]
+        return fold(data.reshape(n, *part), key.reduce, key.static)
+    if key.op in ("all_gather", "all_to_all"):
+        return data.reshape(n, *(key.shape if key.op == "all_gather" else key.shape[1:]))
+    if key.op == "broadcast":
+        return data[key.static[0]].reshape(key.shape)
+    if key.op == "scatter":
+        return data[key.static[0]].reshape(key.shape[1:])
+    if key.op == "permute":
+        source = _source_of(tuple(key.static), me)
+        return np.zeros(key.shape, dtype) if source is None else data[source].reshape(key.shape)
+    raise AssertionError(f"op {key.op} does not travel in the envelope")
+
+
+@functools.cache
+def _source_of(perm: tuple[tuple[int, int], ...], me: int) -> int | None:
+    return next((src for src, dst in perm if dst == me), None)
+
+
+def fold(rows: np.ndarray, reduce: str, static: tuple = ()) -> np.ndarray:
+    """Reduces ``rows`` (one per rank, in rank order) as the lowering of ``reduce`` does."""
+    dtype = rows.dtype
+    if reduce in ("sum", "avg", "premul_sum"):
+        wide = rows.astype(np.float32) if dtype.name in ("float16", "bfloat16") else rows
+        if reduce == "premul_sum":
+            wide = wide * np.asarray(static[0], dtype=wide.dtype)
+        total = np.add.reduce(wide, axis=0, dtype=wide.dtype)
+        if reduce == "avg":
+            total = total / np.asarray(rows.shape[0], dtype=total.dtype)
+        return np.asarray(total).astype(dtype, copy=False)
+    ufunc = {"product": np.multiply, "min": np.minimum, "max": np.maximum, "band": np.bitwise_and,
+             "bor": np.bitwise_or, "bxor": np.bitwise_xor}[reduce]
+    return np.asarray(ufunc.reduce(rows, axis=0, dtype=dtype))
