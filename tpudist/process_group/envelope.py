@@ -118,6 +118,11 @@ def _source_of(perm: tuple[tuple[int, int], ...], me: int) -> int | None:
 
 def fold(rows: np.ndarray, reduce: str, static: tuple = ()) -> np.ndarray:
     """Reduces ``rows`` (one per rank, in rank order) as the lowering of ``reduce`` does."""
+    with np.errstate(all="ignore"):  # integers wrap and floats overflow to inf, silently, as in XLA
+        return _fold(rows, reduce, static)
+
+
+def _fold(rows: np.ndarray, reduce: str, static: tuple) -> np.ndarray:
     dtype = rows.dtype
     if reduce in ("sum", "avg", "premul_sum"):
         wide = rows.astype(np.float32) if dtype.name in ("float16", "bfloat16") else rows
