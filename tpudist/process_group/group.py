@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from tpudist.process_group import programs, runtime
+from tpudist.process_group import debug, programs, runtime
 from tpudist.process_group import tensors as tz
 from tpudist.process_group.checks import (STUCK_GRACE_S, check_device, check_numel,
                                           check_same_dtype, looks_like_peer_loss,
@@ -71,6 +71,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             raise NotImplementedError(
                 f'a "tpu" subgroup (global_ranks={list(global_ranks)}) needs a "tpu" world group: '
                 'call init_process_group("tpu") rather than giving "tpu" to new_group only')
+        self._detail = debug.for_group(self)  # TPUDIST_DEBUG=DETAIL: store-based checks, else None
         if size > 1:
             # XLA connects a device set's gloo context on its first collective, under a fixed 30 s
             # key-value timeout rather than the group's; connecting now keeps later collectives
@@ -128,6 +129,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def _run_program(self, op: str, key: ProgramKey, block: np.ndarray) -> np.ndarray:
         import jax
 
+        if self._detail is not None:
+            self._detail.check(self, op, key)  # raises before any XLA runs
         compiled = programs.program(key)
         seq = self._programs_run[key.group] = self._programs_run.get(key.group, 0) + 1
         fingerprint = compiled.call_fingerprint(self._group_code, seq)
@@ -548,6 +551,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         STREAM.drain()
         if self._is_world:
             runtime.shutdown(owner=self)
+        if self._detail is not None:
+            self._detail.close(self)
         # Release the store: a TCPStore server kept alive here would still accept the clients of
         # the next world's rendezvous on the same port (and so would one held in a reference cycle).
         self._store = None
