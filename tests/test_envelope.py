@@ -17,7 +17,8 @@ DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "int16", "int32",
 def _exchange(key: ProgramKey, blocks: list[np.ndarray]) -> list[np.ndarray]:
     """What each rank receives: row r of rank me's input is rank r's row me."""
     n = len(key.group)
-    sent = [envelope.pack(key, b, np.full(envelope.FP_WORDS, 7, np.int32)) for b in blocks]
+    sent = [envelope.pack(envelope.plan(key, r, carries_data=True), b,
+                          np.full(envelope.FP_WORDS, 7, np.int32)) for r, b in enumerate(blocks)]
     return [np.stack([sent[r][me] for r in range(n)]) for me in range(n)]
 
 
@@ -38,7 +39,8 @@ def _results(key, blocks):
     received = _exchange(key, blocks)
     for rows in received:
         assert (envelope.fingerprints(rows) == 7).all()
-    return [envelope.finish(key, rows, me) for me, rows in enumerate(received)]
+    return [envelope.finish(envelope.plan(key, me, carries_data=True), rows)
+            for me, rows in enumerate(received)]
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -126,7 +128,8 @@ def test_what_fits():
 
 def test_mismatched_senders_show_in_the_fingerprints():
     key = ProgramKey("all_reduce", (2,), "float32", (0, 1), "sum")
-    a = envelope.pack(key, np.ones(2, np.float32), np.arange(envelope.FP_WORDS, dtype=np.int32))
-    b = envelope.pack(key, np.ones(2, np.float32), np.zeros(envelope.FP_WORDS, np.int32))
+    plan = envelope.plan(key, 0, carries_data=True)
+    a = envelope.pack(plan, np.ones(2, np.float32), np.arange(envelope.FP_WORDS, dtype=np.int32))
+    b = envelope.pack(plan, np.ones(2, np.float32), np.zeros(envelope.FP_WORDS, np.int32))
     fps = envelope.fingerprints(np.stack([a[0], b[0]]))
     assert not (fps == fps[0]).all()

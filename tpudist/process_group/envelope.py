@@ -27,7 +27,7 @@ sees it, see :mod:`tpudist.process_group.programs`):
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -62,20 +62,33 @@ def fits(key: ProgramKey) -> bool:
     return size is not None and size <= PAYLOAD_BYTES
 
 
-def pack(key: ProgramKey, block: np.ndarray | None, fingerprint: np.ndarray) -> np.ndarray:
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How one key's data travels in the envelope: decided once per program, used every call."""
+
+    key: ProgramKey
+    row_bytes: int  # 0 when only the fingerprint travels (barrier, or a full program follows)
+    whole_block: bool  # every row carries the whole block (else row j carries block[j])
+    dtype: np.dtype
+    source: int | None  # permute: the group rank whose row this rank keeps
+
+
+def plan(key: ProgramKey, me: int, carries_data: bool) -> Plan:
+    source = None
+    if key.op == "permute":
+        source = next((src for src, dst in key.static if dst == me), None)
+    size = row_bytes(key) if carries_data else 0
+    return Plan(key, size or 0, key.op in _WHOLE_BLOCK, np.dtype(key.dtype), source)
+
+
+def pack(plan: Plan, block: np.ndarray | None, fingerprint: np.ndarray) -> np.ndarray:
     """The ``(n, WORDS)`` int32 rows this rank sends: row j goes to group rank j."""
-    n = len(key.group)
+    n = len(plan.key.group)
     rows = np.zeros((n, WORDS), np.int32)
     rows[:, :FP_WORDS] = fingerprint
-    if block is None or not block.size or key.op == "barrier":
-        return rows
-    raw = rows.view(np.uint8)
-    data = np.ascontiguousarray(block).view(np.uint8)
-    if key.op in _WHOLE_BLOCK:
-        raw[:, _OFFSET:_OFFSET + data.size] = data.reshape(1, -1)
-    else:
-        per_row = data.reshape(n, -1)
-        raw[:, _OFFSET:_OFFSET + per_row.shape[1]] = per_row
+    if plan.row_bytes and block is not None:
+        data = np.ascontiguousarray(block).view(np.uint8).reshape(1 if plan.whole_block else n, -1)
+        rows.view(np.uint8)[:, _OFFSET:_OFFSET + plan.row_bytes] = data
     return rows
 
 
@@ -84,18 +97,16 @@ def fingerprints(rows: np.ndarray) -> np.ndarray:
     return rows[:, :FP_WORDS]
 
 
-def finish(key: ProgramKey, rows: np.ndarray, me: int) -> np.ndarray:
+def finish(plan: Plan, rows: np.ndarray) -> np.ndarray:
     """This rank's result from the rows it received (row r came from group rank r).
 
     Same result as the op's lowering (:mod:`tpudist.process_group.programs`): folds run in rank
     order, 16-bit floats are summed in float32.
     """
-    n = len(key.group)
-    size = row_bytes(key)
-    dtype = np.dtype(key.dtype)
-    data = np.ascontiguousarray(rows.view(np.uint8)[:, _OFFSET:_OFFSET + size]).view(dtype)
+    key, n = plan.key, len(plan.key.group)
     if key.op == "barrier":
-        return np.zeros(key.shape, dtype)
+        return np.zeros(key.shape, plan.dtype)
+    data = np.ascontiguousarray(rows.view(np.uint8)[:, _OFFSET:_OFFSET + plan.row_bytes]).view(plan.dtype)
     if key.op in ("all_reduce", "reduce_scatter"):
         part = key.shape if key.op == "all_reduce" else key.shape[1:]
         return fold(data.reshape(n, *part), key.reduce, key.static)
@@ -106,19 +117,15 @@ def finish(key: ProgramKey, rows: np.ndarray, me: int) -> np.ndarray:
     if key.op == "scatter":
         return data[key.static[0]].reshape(key.shape[1:])
     if key.op == "permute":
-        source = _source_of(tuple(key.static), me)
-        return np.zeros(key.shape, dtype) if source is None else data[source].reshape(key.shape)
+        return np.zeros(key.shape, plan.dtype) if plan.source is None else data[plan.source].reshape(key.shape)
     raise AssertionError(f"op {key.op} does not travel in the envelope")
-
-
-@functools.cache
-def _source_of(perm: tuple[tuple[int, int], ...], me: int) -> int | None:
-    return next((src for src, dst in perm if dst == me), None)
 
 
 def fold(rows: np.ndarray, reduce: str, static: tuple = ()) -> np.ndarray:
     """Reduces ``rows`` (one per rank, in rank order) as the lowering of ``reduce`` does."""
-    with np.errstate(all="ignore"):  # integers wrap and floats overflow to inf, silently, as in XLA
+    if rows.dtype.kind in "iub":  # integer reductions wrap without warnings
+        return _fold(rows, reduce, static)
+    with np.errstate(all="ignore"):  # floats overflow to inf silently, as in XLA
         return _fold(rows, reduce, static)
 
 

@@ -31,6 +31,7 @@ SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM = (
 _REDUCES = (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM)
 _DTYPE_NAMES = ("bfloat16", "bool", "complex128", "complex64", "float16", "float32", "float64",
                 "int16", "int32", "int64", "int8", "uint8")
+_WIDE = frozenset({"int64", "uint64", "float64", "complex128"})
 _FOLDED = {PRODUCT: "multiply", BAND: "bitwise_and", BOR: "bitwise_or", BXOR: "bitwise_xor"}
 
 
@@ -66,7 +67,7 @@ class Compiled:
     the data itself when it fits); ``fn`` is None when that exchange is the whole collective.
     """
 
-    key: ProgramKey
+    plan: envelope.Plan
     envelope_fn: Callable[[Any], Any]  # rows -> rows received (shared by a group's small ops)
     fn: Callable[[Any, Any], Any] | None  # (data, rows) -> (result, fingerprints); None: small
     fingerprint_host: np.ndarray  # what the key decides; a call adds its group and sequence number
@@ -74,7 +75,7 @@ class Compiled:
     aval: Any
     sharding: Any
     device: Any
-    me: int  # this process's index in key.group
+    x64: bool  # JAX truncates 64-bit types unless x64 is on for the call (FACTS.md)
 
     def to_global(self, block: np.ndarray) -> Any:
         """The global array whose row i is group rank i's block; ours aliases ``block`` (no copy).
@@ -92,15 +93,17 @@ class Compiled:
     def run(self, block: np.ndarray, fingerprint: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """Runs on our block; returns (our result, every rank's fingerprint). The result is None
         when the fingerprints disagree (then no data moved)."""
-        rows = envelope.pack(self.key, block if self.fn is None else None, fingerprint)
+        rows = envelope.pack(self.plan, block, fingerprint)
         x_rows = xla_batched_put(self.envelope_aval, self.sharding, rows, self.device)
         if self.fn is None:
-            got = np.asarray(self.envelope_fn(x_rows)._arrays[0])[0]  # noqa: SLF001
+            got = np.asarray(self.envelope_fn(x_rows)._arrays[0])[0]
             fps = envelope.fingerprints(got)
-            agree = (fps == fps[0]).all()
-            return (envelope.finish(self.key, got, self.me) if agree else None), fps
-        out, fps = self.fn(self.to_global(block), x_rows)
-        return np.asarray(out._arrays[0])[0], np.asarray(fps._arrays[0])[0]  # noqa: SLF001
+            return (envelope.finish(self.plan, got) if (fps == fps[0]).all() else None), fps
+        import jax
+
+        with jax.enable_x64(self.x64):
+            out, fps = self.fn(self.to_global(block), x_rows)
+            return np.asarray(out._arrays[0])[0], np.asarray(fps._arrays[0])[0]
 
 
 _cache: dict[tuple[ProgramKey, bool, bool], Compiled] = {}
@@ -248,10 +251,11 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
                                    check_vma=False))
     rt = runtime.current()
     fp = fingerprint(key)
-    return Compiled(key, _envelope_program(key.group), fn, fp,
+    return Compiled(envelope.plan(key, key.group.index(rt.process_id), carries_data=fn is None),
+                    _envelope_program(key.group), fn, fp,
                     core.ShapedArray((n, n, envelope.WORDS), np.int32),
                     core.ShapedArray((n, *key.shape), np.dtype(key.dtype)),
-                    NamedSharding(mesh, P(AXIS)), rt.local_device, key.group.index(rt.process_id))
+                    NamedSharding(mesh, P(AXIS)), rt.local_device, key.dtype in _WIDE)
 
 
 def _exchange(rows):

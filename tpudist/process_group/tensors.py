@@ -20,14 +20,8 @@ _NUMERIC = {
 }
 # Transport views for dtypes numpy cannot hold directly.
 _VIEW_AS = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
-_WIDE = frozenset({"int64", "uint64", "float64", "complex128"})
 FLOATING = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 COMPLEX = frozenset({torch.complex64, torch.complex128})
-
-
-def needs_x64(np_dtype: Any) -> bool:
-    """JAX truncates 64-bit types unless x64 is on for the call (FACTS.md)."""
-    return np.dtype(np_dtype).name in _WIDE
 
 
 def numeric_supported(dtype: torch.dtype) -> bool:
