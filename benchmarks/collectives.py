@@ -112,6 +112,53 @@ def breakdown(nbytes: int, iters: int = 20):
     return parts
 
 
+def exchange_costs(iters: int = 100):
+    """The bare XLA programs a small collective could be: the envelope rows all_to_all tpudist uses,
+    an all_gather of the 24-byte fingerprint alone, a 4-byte psum; and gloo's 4-byte all_reduce.
+    Interleaved rounds, median per-call seconds (rank 0's view)."""
+    import statistics
+
+    import jax
+    import numpy as np
+    from jax._src import core
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tpudist.process_group import envelope, programs, runtime
+
+    n, axis = dist.get_world_size(), programs.AXIS
+    mesh = programs.mesh_of(tuple(range(n)))
+    sharding, device = NamedSharding(mesh, P(axis)), runtime.current().local_device
+
+    def program(body, block):
+        fn = jax.jit(jax.shard_map(lambda x: body(x[0])[None], mesh=mesh, in_specs=P(axis),
+                                   out_specs=P(axis), check_vma=False))
+        aval = core.ShapedArray((n, *block.shape), block.dtype)
+        return lambda: np.asarray(fn(programs.xla_batched_put(aval, sharding, block, device))._arrays[0])
+
+    gloo = dist.new_group(backend="gloo")
+    t = torch.ones(1)
+    calls = {
+        "envelope all_to_all": program(lambda x: jax.lax.all_to_all(x, axis, 0, 0, tiled=True),
+                                       np.zeros((n, envelope.WORDS), np.int32)),
+        "fingerprint all_gather": program(lambda x: jax.lax.all_gather(x, axis),
+                                          np.zeros(envelope.FP_WORDS, np.int32)),
+        "4 B psum": program(lambda x: jax.lax.psum(x, axis), np.ones(1, np.float32)),
+        "gloo 4 B all_reduce": lambda: dist.all_reduce(t, group=gloo),
+    }
+    times = {k: [] for k in calls}
+    for f in calls.values():
+        f()
+    for _ in range(7):
+        for k, f in calls.items():
+            dist.barrier(group=gloo)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                f()
+            times[k].append((time.perf_counter() - t0) / iters)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -133,6 +180,7 @@ def main(argv=None) -> None:
         with RankPool(n, backend="tpu", timeout=3600) as pool:
             res = pool.run(this.rank_main, sizes, args.ops, args.budget, not args.no_verify)[0]
             parts = pool.run(this.breakdown, 4)[0], pool.run(this.breakdown, 2**20)[0]
+            bare = pool.run(this.exchange_costs)[0]
         for (op, nbytes), (t_tpu, t_gloo) in res.items():
             algbw = nbytes / t_tpu / 1e9
             table.append((n, op, nbytes, t_tpu, t_gloo, algbw, algbw * _BUS_FACTOR[op](n),
@@ -140,6 +188,8 @@ def main(argv=None) -> None:
         print(f"\n{n} ranks: where one all_reduce's time goes on tpu (microseconds)")
         for label, p in zip(("4 B", "1 MiB"), parts):
             print(f"  {label:>6}: " + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in p.items()))
+        print(f"{n} ranks: bare programs (median us): "
+              + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in bare.items()))
     print("\n| ranks | op | bytes | tpu us | gloo us | tpu/gloo | tpu busbw GB/s | gloo busbw GB/s |")
     print("|---|---|---|---|---|---|---|---|")
     for n, op, nbytes, t_tpu, t_gloo, _, bus, gbus in table:

@@ -4,7 +4,7 @@ Each rank sends every peer one row of ``WORDS`` int32: its call fingerprint (:da
 op, reduce op, dtype, size, a hash of the key, group and per-group call number), then up to
 :data:`PAYLOAD_BYTES` bytes of data. The rows travel in one XLA ``all_to_all``: a single round of
 direct sends, which on XLA:CPU's gloo costs what a 4-byte ``psum`` costs, where an ``all_gather``
-of the same 24 bytes costs 1.5-3x more (``benchmarks/collectives.py --breakdown``).
+of the same 24 bytes costs 1.5-3x more (``exchange_costs`` in ``benchmarks/collectives.py``).
 
 Why every program starts with the same fixed-shape exchange:
 - ranks compare fingerprints before any data moves, so ranks that issued different collectives
