@@ -280,7 +280,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         for out, inp in zip(outputs, inputs, strict=True):
             check_numel(op, "input", inp, out.numel() * self.size())
         n = self.size()
-        block = np.concatenate([tz.as_numeric(t).reshape(n, -1) for t in inputs], axis=1)
+        blocks = [tz.as_numeric(t).reshape(n, -1) for t in inputs]
+        block = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)  # one: no copy
         return self._reduce_scatter_block(op, block, outputs, opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -353,8 +354,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         sizes = [[tz.nbytes_of(o) for o in row] for row in outputs]  # [input k][rank r]
         widths = [max(row) for row in sizes]
         unit = tz.byte_unit(int(np.gcd.reduce([*widths, *(s for row in sizes for s in row), 4])))
-        block = np.concatenate([tz.padded(tz.raw(t, unit), w // unit.itemsize)
-                                for t, w in zip(inputs, widths)]) if inputs else np.zeros(0, unit)
+        parts = [tz.padded(tz.raw(t, unit), w // unit.itemsize) for t, w in zip(inputs, widths)]
+        block = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, unit)
 
         def finish(out):  # out: (n, sum(widths) / unit)
             if root is not None and root != self.rank():
@@ -549,6 +550,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         STREAM.drain()
         if self._is_world:
             runtime.shutdown(owner=self)
+            STREAM.stop()  # no tpudist thread outlives the world
         if self._detail is not None:
             self._detail.close(self)
         # Release the store: a TCPStore server kept alive here would still accept the clients of
@@ -558,7 +560,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
             gc.collect()
 
     def abort(self) -> None:
-        self.shutdown()
+        from tpudist.process_group import lifecycle
+
+        lifecycle.abort(self)  # fails what has not run; does not wait for a collective inside XLA
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout = timeout
