@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import ml_dtypes
 import numpy as np
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ PAYLOAD_BYTES = 1024
 WORDS = FP_WORDS + PAYLOAD_BYTES // 4
 _OFFSET = FP_WORDS * 4  # payload start, in bytes
 
+_LOW_PRECISION = frozenset({np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)})  # summed in float32
 _WHOLE_BLOCK = frozenset({"all_reduce", "all_gather", "broadcast", "permute"})
 _ROW_PER_RANK = frozenset({"reduce_scatter", "all_to_all", "scatter"})
 
@@ -132,7 +134,7 @@ def fold(rows: np.ndarray, reduce: str, static: tuple = ()) -> np.ndarray:
 def _fold(rows: np.ndarray, reduce: str, static: tuple) -> np.ndarray:
     dtype = rows.dtype
     if reduce in ("sum", "avg", "premul_sum"):
-        wide = rows.astype(np.float32) if dtype.name in ("float16", "bfloat16") else rows
+        wide = rows.astype(np.float32) if dtype in _LOW_PRECISION else rows
         if reduce == "premul_sum":
             wide = wide * np.asarray(static[0], dtype=wide.dtype)
         total = np.add.reduce(wide, axis=0, dtype=wide.dtype)

@@ -62,7 +62,9 @@ def _copy_into(out: torch.Tensor, arr: np.ndarray) -> None:
     """The one real copy of a collective: the result's bytes into the caller's tensor."""
     raw = arr.reshape(-1).view(np.uint8)
     if out.is_contiguous():
-        np.copyto(out.detach().reshape(-1).view(torch.uint8).numpy(), raw)
+        view_as = _VIEW_AS.get(out.dtype)  # numpy ops are cheaper than torch's on this path
+        dst = (out.detach().view(view_as) if view_as is not None else out.detach()).numpy()
+        np.copyto(dst.reshape(-1).view(np.uint8), raw)
         return
     staged = torch.empty(out.shape, dtype=out.dtype)
     np.copyto(staged.reshape(-1).view(torch.uint8).numpy(), raw)
