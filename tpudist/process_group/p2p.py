@@ -49,6 +49,12 @@ class PointToPoint:
         self._pending.append(((src, dst, tag), self._seq, group, kind, t, work))
         return work
 
+    def cancel(self, error: BaseException) -> None:
+        """Fails every pending send and recv with ``error`` (abort: none of them will run)."""
+        pending, self._pending = self._pending, []
+        for *_, work in pending:
+            work._finish(None, error)
+
     def flush(self) -> None:
         pending, self._pending = sorted(self._pending, key=lambda p: (p[0], p[1])), []
         for (src, dst, _), _, group, kind, t, work in pending:

@@ -47,6 +47,7 @@ class Runtime:
 _lock = threading.Lock()
 _runtime: Runtime | None = None
 _owner_id: int | None = None  # id() of the world group that booted the runtime
+_abandoned = False  # the world was aborted while a collective was inside XLA: see abandon()
 
 
 def current() -> Runtime:
@@ -57,7 +58,8 @@ def current() -> Runtime:
 
 
 def is_booted() -> bool:
-    return _runtime is not None
+    """Whether a runtime runs that new groups can join (an abandoned one cannot: see abandon())."""
+    return _runtime is not None and not _abandoned
 
 
 def _platform() -> str:
@@ -134,6 +136,8 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
     """Starts JAX's multi-process runtime for this world; a no-op if it already runs."""
     global _runtime, _owner_id
     with _lock:
+        if _abandoned:
+            _end_abandoned()
         if _runtime is not None:
             if (_runtime.process_id, _runtime.num_processes) != (rank, world_size):
                 raise RuntimeStateError(
@@ -182,20 +186,52 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
 
 
 def shutdown(owner: object) -> None:
-    """Shuts the runtime down if ``owner`` booted it (destroying the world group)."""
-    global _runtime, _owner_id
+    """Shuts the runtime down if ``owner`` booted it (destroying the world group).
+
+    ``jax.distributed.shutdown()`` is a barrier of every process of the world (JAX's coordination
+    service): a rank that never gets here makes JAX terminate this process after the timeout.
+    """
     with _lock:
         if _runtime is None or _owner_id != id(owner):
             return
-        import jax
-        import jax.extend.backend
+        _teardown()
 
-        from tpudist.process_group import programs
 
-        programs.clear_cache()
-        try:
-            jax.distributed.shutdown()
-        finally:
-            jax.clear_caches()
-            jax.extend.backend.clear_backends()
-            _runtime, _owner_id = None, None
+def abandon(owner: object) -> None:
+    """``abort()`` of the world while a collective is still inside XLA, which cannot cancel it.
+
+    Tearing the runtime down under a running program is unsafe, and its barrier would wait for peers
+    that may never come; so the runtime stays until the next ``init_process_group("tpu")`` in this
+    process, which tears it down first (with the old world's other ranks doing the same).
+    """
+    global _abandoned
+    with _lock:
+        if _runtime is not None and _owner_id == id(owner):
+            _abandoned = True
+
+
+def _end_abandoned() -> None:
+    from tpudist.process_group.work import STREAM
+
+    if STREAM.busy():
+        raise RuntimeStateError(
+            "the previous tpu world was aborted while one of its collectives was inside XLA, which "
+            "cannot cancel it; that collective ends within the old world's timeout. Wait for it (or "
+            "for the work it raised), then init again, or restart the process.")
+    _teardown()
+
+
+def _teardown() -> None:
+    global _runtime, _owner_id, _abandoned
+    import jax
+    import jax.extend.backend
+
+    from tpudist.process_group import programs
+
+    programs.clear_cache()
+    try:
+        jax.distributed.shutdown()
+    finally:
+        jax.clear_caches()
+        jax.extend.backend.clear_backends()
+        _runtime, _owner_id, _abandoned = None, None, False

@@ -39,15 +39,19 @@ class Work(dist._Work):  # noqa: SLF001 - the documented way to return works fro
         self._done = threading.Event()
         self._future: torch.futures.Future = torch.futures.Future()
         self._exception: BaseException | None = None
+        self._finishing = threading.Lock()
 
-    # -- completion (called by the stream) --------------------------------------------------------
+    # -- completion (called by the stream, or by abort before the stream gets there) --------------
     def _finish(self, result: Any, exception: BaseException | None) -> None:
-        self._exception = exception
-        if exception is None:
-            self._future.set_result(result)
-        else:
-            self._future.set_exception(exception)
-        self._done.set()  # last: whoever wait()s may read the future at once
+        with self._finishing:  # the first outcome stands: abort() may have failed this work already
+            if self._done.is_set():
+                return
+            self._exception = exception
+            if exception is None:
+                self._future.set_result(result)
+            else:
+                self._future.set_exception(exception)
+            self._done.set()  # last: whoever wait()s may read the future at once
 
     # -- the c10d Work interface ------------------------------------------------------------------
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -87,6 +91,7 @@ class CommStream:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0
+        self._running: set[Work] = set()  # started, not finished (inline or on the thread)
         self._thread: threading.Thread | None = None
 
     def submit(self, work: Work, task: Callable[[], Any], *, async_op: bool) -> Work:
@@ -105,6 +110,46 @@ class CommStream:
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
 
+    def busy(self) -> bool:
+        """Whether a collective is queued or running (possibly blocked inside XLA)."""
+        with self._lock:
+            return self._pending > 0
+
+    def abort(self, error: BaseException) -> bool:
+        """Fails every queued collective with ``error`` and releases whoever waits on a running one.
+
+        XLA cannot cancel a collective it is running: that call goes on until it completes or hits
+        XLA's collective timeout, and its thread with it. Returns whether one is still running.
+        """
+        cancelled = []
+        with self._idle:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _STOP:
+                    cancelled.append(item[0])
+                    self._pending -= 1
+            running = list(self._running)
+            if self._thread is not None:  # it ends once its running collective (if any) returns
+                self._queue.put(_STOP)
+            self._idle.notify_all()
+        for work in cancelled + running:
+            work._finish(None, error)
+        return bool(running)
+
+    def stop(self) -> None:
+        """Ends the stream's thread once it is idle (destroying the world); a later async collective
+        starts a new one."""
+        self.drain()
+        with self._lock:
+            thread = self._thread
+            if thread is not None:
+                self._queue.put(_STOP)
+        if thread is not None:
+            thread.join()
+
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, name="tpudist-comm", daemon=True)
@@ -112,19 +157,31 @@ class CommStream:
 
     def _loop(self) -> None:
         while True:
-            work, task = self._queue.get()
-            self._run(work, task)
-            del work, task  # an idle thread must not keep the last group (and its store) alive
+            item = self._queue.get()
+            if item is _STOP:
+                with self._lock:  # submit() queues under this lock: nothing can slip in behind
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            self._run(*item)
+            del item  # an idle thread must not keep the last group (and its store) alive
 
     def _run(self, work: Work, task: Callable[[], Any]) -> None:
+        with self._lock:
+            self._running.add(work)
         try:
             result, error = task(), None
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the work
             result, error = None, e
         with self._idle:
             self._pending -= 1
+            self._running.discard(work)
             self._idle.notify_all()
         work._finish(result, error)  # noqa: SLF001
+
+
+_STOP = object()  # ends the stream's thread
 
 
 STREAM = CommStream()
