@@ -41,3 +41,123 @@ def check_numel(op: str, what: str, t: torch.Tensor, numel: int) -> None:
     if t.numel() != numel:
         raise ValueError(f"{op}: {what} has {t.numel()} elements (shape {tuple(t.shape)}) but "
                          f"{numel} are needed")
+
+
+# -- memory overlap ------------------------------------------------------------------------------
+# Every tpudist program reads all of its inputs before the first byte of any output is written
+# (the inputs are copied or aliased into the XLA call, results are written back after it returns).
+# So an output that overlaps an input is well defined: the in-place forms (FSDP2's all_gather into
+# a tensor whose chunk is the input, reduce_scatter into a chunk of the input, all_to_all_single of
+# a tensor onto itself, ...) all work. What is ill defined is two writes to one byte: outputs that
+# overlap each other, an output whose own elements share memory (an expanded view), and a recv
+# into memory that another pending send or recv of the same batch uses (their order is tpudist's).
+_NO, _YES = 0, 1  # torch._debug_has_internal_overlap: 0 no, 1 yes, 2 too hard to tell
+_MAX_RUNS = 1 << 20  # contiguous runs enumerated for the exact test of strided views
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes [lo, hi) that ``t`` may touch: from its first element to past its last."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _runs(t: torch.Tensor) -> tuple[Any, Any] | None:
+    """Byte intervals (starts, ends) covering ``t``'s elements, or None when there are too many."""
+    import numpy as np
+
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1)
+    run = 1  # elements per contiguous run: merge the innermost dims while they are dense
+    while dims and dims[0][0] == run:
+        run *= dims.pop(0)[1]
+    if t.numel() // run > _MAX_RUNS:
+        return None
+    offsets = np.zeros(1, np.int64)
+    for stride, size in dims:
+        offsets = (offsets[:, None] + np.arange(size, dtype=np.int64)[None, :] * stride).reshape(-1)
+    starts = np.sort(t.data_ptr() + offsets * t.element_size())
+    return starts, starts + run * t.element_size()
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share at least one byte of memory.
+
+    Exact for any strides (interleaved chunks such as ``x.chunk(2, dim=1)`` do not overlap); if a
+    view is too fragmented to enumerate (over a million runs) it answers False rather than refuse
+    input it cannot judge.
+    """
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a_lo, a_hi), (b_lo, b_hi) = _extent(a), _extent(b)
+    if a_hi <= b_lo or b_hi <= a_lo:
+        return False
+    if _dense(a) and _dense(b):
+        return True  # each fills its extent
+    runs_a, runs_b = _runs(a), _runs(b)
+    if runs_a is None or runs_b is None:
+        return False
+    import numpy as np
+
+    (a_starts, a_ends), (b_starts, b_ends) = runs_a, runs_b
+    reach = np.maximum.accumulate(a_ends)  # furthest end among a's runs starting at or before each
+    before = np.searchsorted(a_starts, b_ends, side="left") - 1  # a's last run starting before b's end
+    hit = before >= 0
+    return bool(np.any(reach[before[hit]] > b_starts[hit]))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its elements fill its extent exactly (any dim order)."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _where(t: torch.Tensor) -> str:
+    return (f"shape {tuple(t.shape)}, strides {t.stride()}, byte offset "
+            f"{t.storage_offset() * t.element_size()} of its storage")
+
+
+def check_output(op: str, what: str, t: torch.Tensor) -> None:
+    """An output must not have elements that share memory (an expanded or as_strided view)."""
+    status = torch._debug_has_internal_overlap(t)
+    if status == _YES or (status != _NO and _self_overlaps(t)):
+        raise ValueError(
+            f"{op}: {what} has elements that share memory ({_where(t)}: an expanded or as_strided "
+            "view), so one memory location would receive several results (torch refuses such "
+            "outputs too). Pass a tensor that owns its elements, e.g. t.clone(), and copy the "
+            "result where it belongs.")
+
+
+def _self_overlaps(t: torch.Tensor) -> bool:
+    runs = _runs(t)
+    if runs is None:
+        return False
+    starts, ends = runs
+    return bool(len(starts) > 1 and (starts[1:] < ends[:-1]).any())
+
+
+def check_outputs(op: str, what: str, tensors: list[torch.Tensor], disjoint: bool = True) -> None:
+    """Outputs of one call that receive different data (``disjoint``) may not share memory with one
+    another; none may share memory with itself. Named ``what[i]``."""
+    for i, t in enumerate(tensors):
+        check_output(op, f"{what}[{i}]", t)
+    if not disjoint:
+        return
+    order = sorted(range(len(tensors)), key=lambda i: _extent(tensors[i])[0])
+    active: list[int] = []  # outputs whose extent reaches past the current start
+    for i in order:
+        lo = _extent(tensors[i])[0]
+        active = [j for j in active if _extent(tensors[j])[1] > lo]
+        for j in active:
+            if overlaps(tensors[i], tensors[j]):
+                first, second = sorted((i, j))
+                raise ValueError(
+                    f"{op}: {what}[{first}] and {what}[{second}] share memory ({what}[{first}]: "
+                    f"{_where(tensors[first])}; {what}[{second}]: {_where(tensors[second])}). Each "
+                    "output receives different data, so what they hold afterwards would depend on "
+                    "the order of the writes. Pass tensors that do not overlap, e.g. "
+                    "torch.empty_like for each, or the chunks of one tensor.")
+        if tensors[i].numel():
+            active.append(i)

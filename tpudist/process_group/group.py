@@ -20,8 +20,8 @@ import torch.distributed.distributed_c10d as c10d
 
 from tpudist.process_group import debug, programs, runtime
 from tpudist.process_group import tensors as tz
-from tpudist.process_group.checks import (STUCK_GRACE_S, check_device, check_numel,
-                                          check_same_dtype, looks_like_peer_loss,
+from tpudist.process_group.checks import (STUCK_GRACE_S, check_device, check_numel, check_output,
+                                          check_outputs, check_same_dtype, looks_like_peer_loss,
                                           looks_like_timeout)
 from tpudist.process_group.p2p import P2P
 from tpudist.process_group.programs import ProgramKey
@@ -226,6 +226,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                                  async_op=opts.asyncOp)
 
     def _reduce_into(self, op: str, t: torch.Tensor, reduce_op: Any, root: int | None, async_op: bool):
+        check_output(op, "tensor", t)
         reduce, static = self._reduce_name(op, reduce_op, t.dtype)
         block = tz.as_numeric(t)
 
@@ -240,6 +241,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         opts = opts or dist.AllreduceCoalescedOptions()
         tensors = [check_device("all_reduce_coalesced", t) for t in tensors]
         check_same_dtype("all_reduce_coalesced", tensors)
+        check_outputs("all_reduce_coalesced", "tensors", tensors, disjoint=False)  # same data: may alias
         if not tensors:
             return _done_work(self._describe("all_reduce_coalesced"), self._timeout, [])
         reduce, static = self._reduce_name("all_reduce_coalesced", opts.reduceOp, tensors[0].dtype)
@@ -262,6 +264,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                              f"{[len(x) for x in input_tensors]}")
         chunks = [check_device("reduce_scatter", t) for t in input_tensors[0]]
         check_same_dtype("reduce_scatter", [out, *chunks])
+        check_output("reduce_scatter", "output", out)
         check_numel("reduce_scatter", "input_list[rank]", chunks[self.rank()], out.numel())
         width = max(t.numel() for t in chunks)
         block = np.stack([tz.padded(tz.as_numeric(t).reshape(-1), width) for t in chunks])
@@ -277,6 +280,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         outputs = [check_device(op, t) for t in outputs]
         inputs = [check_device(op, t) for t in inputs]
         check_same_dtype(op, [*outputs, *inputs])
+        check_outputs(op, "outputs", outputs)
         for out, inp in zip(outputs, inputs, strict=True):
             check_numel(op, "input", inp, out.numel() * self.size())
         n = self.size()
@@ -307,6 +311,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                              f"{[len(x) for x in output_tensors]}")
         outs = [check_device("all_gather", t) for t in output_tensors[0]]
         check_same_dtype("all_gather", [inp, *outs])
+        check_outputs("all_gather", "output_list", outs)
         check_numel("all_gather", f"output_list[{self.rank()}]", outs[self.rank()], inp.numel())
         return self._gather_bytes("all_gather", [inp], [outs], opts.asyncOp)
 
@@ -322,6 +327,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         for out, inp in zip(outputs, inputs, strict=True):
             check_same_dtype(op, [out, inp])
             check_numel(op, "output", out, inp.numel() * self.size())
+        check_outputs(op, "outputs", outputs)
         # Non-contiguous outputs receive through a contiguous staging tensor.
         staged = [out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
                   for out in outputs]
@@ -343,6 +349,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         if len(output_lists) != len(inputs):
             raise ValueError(f"all_gather_coalesced: {len(output_lists)} output lists for "
                              f"{len(inputs)} inputs; give one list of size={self.size()} per input")
+        check_outputs("all_gather_coalesced", "outputs (the lists joined)",
+                      [t for row in output_lists for t in row])
         return self._gather_bytes("all_gather_coalesced", inputs, output_lists, opts.asyncOp)
 
     def _gather_bytes(self, op: str, inputs: list[torch.Tensor], outputs: list[list[Any]],
@@ -379,6 +387,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 raise ValueError(f"gather: dst needs a list of size={self.size()} output tensors")
             outs = [check_device("gather", t) for t in output_tensors[0]]
             check_same_dtype("gather", [inp, *outs])
+            check_outputs("gather", "gather_list", outs)
             for t in outs:
                 check_numel("gather", "output", t, inp.numel())
         else:
@@ -389,6 +398,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         opts = opts or dist.BroadcastOptions()
         root = self._check_rank("broadcast", "src", opts.rootRank)
         t = self._one("broadcast", tensors)
+        check_output("broadcast", "tensor", t)
         block = tz.as_bytes(t)
 
         def finish(out):
@@ -403,6 +413,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         opts = opts or dist.ScatterOptions()
         root = self._check_rank("scatter", "src", opts.rootRank)
         out = self._one("scatter", output_tensors)
+        check_output("scatter", "output", out)
         width = tz.nbytes(out)
         unit = tz.byte_unit(width)
         if self.rank() == root:
@@ -432,6 +443,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         opts = opts or dist.AllToAllOptions()
         output, input = check_device(op, output), check_device(op, input)
         check_same_dtype(op, [output, input])
+        check_output(op, "output", output)  # may be the input itself: inputs are read first
         if not output_split_sizes and not input_split_sizes:
             if input.numel() != output.numel() or (input.dim() and input.shape[0] % n):
                 raise ValueError(f"{op}: without split sizes, input.shape[0] must divide by group "
@@ -463,6 +475,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         inputs = [check_device(op, t) for t in input_tensors]
         outputs = [check_device(op, t) for t in output_tensors]
         check_same_dtype(op, [*inputs, *outputs])
+        check_outputs(op, "output_tensor_list", outputs)
         return self._all_to_all_ragged(op, inputs, outputs, opts.asyncOp, result=outputs)
 
     def _all_to_all_ragged(self, op: str, inputs, outputs, async_op: bool, result):

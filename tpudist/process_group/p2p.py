@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from tpudist.process_group import tensors as tz
+from tpudist.process_group.checks import check_output, overlaps
 from tpudist.process_group.programs import ProgramKey
 from tpudist.process_group.work import STREAM, Work
 
@@ -41,13 +42,31 @@ class PointToPoint:
     def post(self, group: Any, kind: str, t: torch.Tensor, peer: int, tag: int) -> Work:
         if peer == group.rank():
             raise ValueError(f"{kind}: rank {peer} cannot {kind} to itself; use a copy")
+        if kind == "recv":
+            check_output("recv", "tensor", t)
         me, other = group.global_ranks[group.rank()], group.global_ranks[peer]
         src, dst = (me, other) if kind == "send" else (other, me)
         work = DeferredWork(f"{kind} {src}->{dst} (tag {tag}) of {tuple(t.shape)} {t.dtype}",
                              group._timeout)  # noqa: SLF001
+        self._check_disjoint(kind, t, src, dst)
         self._seq += 1
         self._pending.append(((src, dst, tag), self._seq, group, kind, t, work))
         return work
+
+    def _check_disjoint(self, kind: str, t: torch.Tensor, src: int, dst: int) -> None:
+        """A recv may not share memory with another pending send or recv: the batch runs in an order
+        tpudist chooses, so the send would carry the old or the received bytes. Refusing one op
+        refuses the whole batch (its other ops would otherwise run unpaired)."""
+        for (p_src, p_dst, _), _, _, p_kind, p_t, _ in self._pending:
+            if "recv" in (kind, p_kind) and overlaps(t, p_t):
+                error = ValueError(
+                    f"{kind} {src}->{dst} of {tuple(t.shape)} {t.dtype}: its tensor shares memory with "
+                    f"the pending {p_kind} {p_src}->{p_dst} of {tuple(p_t.shape)} {p_t.dtype}. The sends "
+                    "and recvs of a batch run in an order tpudist chooses, so a recv into memory that "
+                    "another op of the batch sends or receives gives a result that depends on it. "
+                    "Receive into a separate tensor; the pending sends and recvs were dropped.")
+                self.cancel(error)
+                raise error
 
     def cancel(self, error: BaseException) -> None:
         """Fails every pending send and recv with ``error`` (abort: none of them will run)."""
