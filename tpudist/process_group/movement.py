@@ -1,0 +1,232 @@
+"""The data-moving collectives of :class:`~tpudist.process_group.group.ProcessGroupTPU`.
+
+all_gather (list, tensor and coalesced forms), gather, broadcast, scatter and all_to_all (even,
+uneven and list forms) move raw bytes: bit-exact for every dtype, and one program serves every
+dtype of a size. A mixin, so the c10d class keeps one method per c10d entry point while each file
+holds one kind of collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from tpudist.process_group import tensors as tz
+from tpudist.process_group.checks import (check_device, check_numel, check_output, check_outputs,
+                                          check_same_dtype)
+from tpudist.process_group.work import Work
+
+
+class DataMovement:
+    """Mixed into ProcessGroupTPU: uses its ``_submit``, ``_enqueue``, ``_run_program``, ``_key``."""
+
+    # -- data movement (raw bytes) ----------------------------------------------------------------
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or c10d.AllgatherOptions()
+        inp = self._one("all_gather", input_tensors)
+        if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
+            raise ValueError(f"all_gather: needs a list of size={self.size()} output tensors, got "
+                             f"{[len(x) for x in output_tensors]}")
+        outs = [check_device("all_gather", t) for t in output_tensors[0]]
+        check_same_dtype("all_gather", [inp, *outs])
+        check_outputs("all_gather", "output_list", outs)
+        check_numel("all_gather", f"output_list[{self.rank()}]", outs[self.rank()], inp.numel())
+        return self._gather_bytes("all_gather", [inp], [outs], opts.asyncOp)
+
+    def all_gather_single(self, output, input, opts=None):
+        opts = opts or c10d.AllgatherOptions()
+        return self.all_gather_single_coalesced([output], [input], opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        op = "all_gather_into_tensor"
+        opts = opts or c10d.AllgatherOptions()
+        outputs = [check_device(op, t) for t in outputs]
+        inputs = [check_device(op, t) for t in inputs]
+        for out, inp in zip(outputs, inputs, strict=True):
+            check_same_dtype(op, [out, inp])
+            check_numel(op, "output", out, inp.numel() * self.size())
+        check_outputs(op, "outputs", outputs)
+        # Non-contiguous outputs receive through a contiguous staging tensor.
+        staged = [out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
+                  for out in outputs]
+        per_rank = [list(s.view(self.size(), s.numel() // self.size())) for s in staged]
+        work = self._gather_bytes(op, inputs, per_rank, opts.asyncOp)
+        if any(s is not o for s, o in zip(staged, outputs)):
+            work.wait()
+            with torch.no_grad():
+                for s, o in zip(staged, outputs):
+                    if s is not o:
+                        o.copy_(s)
+        return work
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        opts = opts or c10d.AllgatherOptions()
+        inputs = [check_device("all_gather_coalesced", t) for t in input_list]
+        if len(output_lists) != len(inputs):
+            raise ValueError(f"all_gather_coalesced: {len(output_lists)} output lists for "
+                             f"{len(inputs)} inputs; give one list of size={self.size()} per input")
+        check_outputs("all_gather_coalesced", "outputs (the lists joined)",
+                      [t for row in output_lists for t in row])
+        return self._gather_bytes("all_gather_coalesced", inputs, output_lists, opts.asyncOp)
+
+    def _gather_bytes(self, op: str, inputs: list[torch.Tensor], outputs: list[list[Any]],
+                      async_op: bool, root: int | None = None):
+        """All-gathers the bytes of ``inputs``; ``outputs[k][r]`` receives rank r's input k.
+
+        Uneven sizes (known to every rank from the output shapes) are padded to the largest.
+        """
+        sizes = [[tz.nbytes_of(o) for o in row] for row in outputs]  # [input k][rank r]
+        widths = [max(row) for row in sizes]
+        unit = tz.byte_unit(int(np.gcd.reduce([*widths, *(s for row in sizes for s in row), 4])))
+        parts = [tz.padded(tz.raw(t, unit), w // unit.itemsize) for t, w in zip(inputs, widths)]
+        block = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, unit)
+
+        def finish(out):  # out: (n, sum(widths) / unit)
+            if root is not None and root != self.rank():
+                return None
+            raw = out.view(np.uint8)
+            offset = 0
+            for row, width in zip(outputs, widths):
+                for r, o in enumerate(row):
+                    tz.write_raw(o, raw[r, offset:offset + tz.nbytes_of(o)])
+                offset += width
+            return [o for row in outputs for o in row]
+
+        return self._submit(op, self._key("all_gather", block), block, finish, async_op)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.GatherOptions()
+        root = self._check_rank("gather", "dst", opts.rootRank)
+        inp = self._one("gather", input_tensors)
+        if self.rank() == root:
+            if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
+                raise ValueError(f"gather: dst needs a list of size={self.size()} output tensors")
+            outs = [check_device("gather", t) for t in output_tensors[0]]
+            check_same_dtype("gather", [inp, *outs])
+            check_outputs("gather", "gather_list", outs)
+            for t in outs:
+                check_numel("gather", "output", t, inp.numel())
+        else:
+            outs = [tz.Sized(tz.nbytes(inp))] * self.size()
+        return self._gather_bytes("gather", [inp], [outs], opts.asyncOp, root=root)
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        root = self._check_rank("broadcast", "src", opts.rootRank)
+        t = self._one("broadcast", tensors)
+        check_output("broadcast", "tensor", t)
+        block = tz.as_bytes(t)
+
+        def finish(out):
+            if self.rank() != root:
+                tz.write_bytes(t, out)
+            return [t]
+
+        return self._submit("broadcast", self._key("broadcast", block, static=(root,)), block, finish,
+                            opts.asyncOp)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ScatterOptions()
+        root = self._check_rank("scatter", "src", opts.rootRank)
+        out = self._one("scatter", output_tensors)
+        check_output("scatter", "output", out)
+        width = tz.nbytes(out)
+        unit = tz.byte_unit(width)
+        if self.rank() == root:
+            if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
+                raise ValueError(f"scatter: src needs a list of size={self.size()} input tensors")
+            chunks = [check_device("scatter", t) for t in input_tensors[0]]
+            check_same_dtype("scatter", [out, *chunks])
+            for t in chunks:
+                check_numel("scatter", "input", t, out.numel())
+            block = np.stack([tz.raw(t, unit) for t in chunks])
+        else:
+            block = np.zeros((self.size(), width // unit.itemsize), unit)
+
+        def finish(res):
+            tz.write_raw(out, res.view(np.uint8))
+            return [out]
+
+        return self._submit("scatter", self._key("scatter", block, static=(root,)), block, finish,
+                            opts.asyncOp)
+
+    # -- all_to_all -------------------------------------------------------------------------------
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        op, n = "all_to_all_single", self.size()
+        opts = opts or dist.AllToAllOptions()
+        output, input = check_device(op, output), check_device(op, input)
+        check_same_dtype(op, [output, input])
+        check_output(op, "output", output)  # may be the input itself: inputs are read first
+        if not output_split_sizes and not input_split_sizes:
+            if input.numel() != output.numel() or (input.dim() and input.shape[0] % n):
+                raise ValueError(f"{op}: without split sizes, input.shape[0] must divide by group "
+                                 f"size={n} and output.numel() must equal input.numel(); got "
+                                 f"input.shape={tuple(input.shape)}, output.shape={tuple(output.shape)}")
+            block = tz.raw(input, tz.byte_unit(tz.nbytes(input) // n)).reshape(n, -1)
+
+            def finish(out):
+                tz.write_bytes(output, out)
+                return [output]
+
+            return self._submit(op, self._key("all_to_all", block), block, finish, opts.asyncOp)
+        in_splits = list(input_split_sizes) or [input.shape[0] // n] * n
+        out_splits = list(output_split_sizes) or [output.shape[0] // n] * n
+        for name, splits, t in (("input", in_splits, input), ("output", out_splits, output)):
+            if len(splits) != n or sum(splits) != (t.shape[0] if t.dim() else 1) or min(splits) < 0:
+                raise ValueError(f"{op}: {name}_split_sizes={splits} must be {n} non-negative sizes "
+                                 f"summing to {name}.shape[0]={t.shape[0] if t.dim() else 1}")
+        inputs = list(torch.split(input, in_splits)) if input.dim() else [input]
+        outputs = list(torch.split(output, out_splits)) if output.dim() else [output]
+        return self._all_to_all_ragged(op, inputs, outputs, opts.asyncOp, result=[output])
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        op, n = "all_to_all", self.size()
+        opts = opts or dist.AllToAllOptions()
+        if len(output_tensors) != n or len(input_tensors) != n:
+            raise ValueError(f"{op}: needs size={n} input and output tensors, got "
+                             f"{len(input_tensors)} inputs and {len(output_tensors)} outputs")
+        inputs = [check_device(op, t) for t in input_tensors]
+        outputs = [check_device(op, t) for t in output_tensors]
+        check_same_dtype(op, [*inputs, *outputs])
+        check_outputs(op, "output_tensor_list", outputs)
+        return self._all_to_all_ragged(op, inputs, outputs, opts.asyncOp, result=outputs)
+
+    def _all_to_all_ragged(self, op: str, inputs, outputs, async_op: bool, result):
+        """Sizes differ per pair: agree on the size matrix first, then pad to its largest entry.
+
+        Every rank knows only its own row (what it sends) and column (what it receives), so both are
+        all-gathered in a first small program; that also catches split sizes that do not agree.
+        """
+        n = self.size()
+        recv = [tz.nbytes(t) for t in outputs]
+        sizes = np.array([tz.nbytes(t) for t in inputs] + recv, np.int64)
+        work = Work(self._describe(op), self._timeout)
+
+        def task():
+            # Every rank gets every row and column, so every rank reaches the same verdict.
+            both = self._run_program(op, self._key("all_gather", sizes), sizes).reshape(n, 2, n)
+            matrix, expected = both[:, 0, :], both[:, 1, :].T  # [sender, receiver]
+            if not (matrix == expected).all():
+                bad = [(int(i), int(j)) for i, j in zip(*np.nonzero(matrix != expected))]
+                raise ValueError(
+                    f"{op}: split sizes must agree (rank i's output split j == rank j's input split "
+                    f"i); in bytes, sender->receiver sends/expects: "
+                    + ", ".join(f"{i}->{j}: {matrix[i, j]}/{expected[i, j]}" for i, j in bad))
+            width = int(matrix.max())
+            unit = tz.byte_unit(int(np.gcd.reduce([*matrix.reshape(-1), width, 4])))
+            block = np.stack([tz.padded(tz.raw(t, unit), width // unit.itemsize) for t in inputs])
+            out = self._run_program(op, self._key("all_to_all", block), block).view(np.uint8)
+            for r, t in enumerate(outputs):
+                tz.write_raw(t, out[r, :recv[r]])
+            return result
+
+        return self._enqueue(work, task, async_op)
