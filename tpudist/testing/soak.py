@@ -33,7 +33,7 @@ OPS = ("all_reduce", "all_gather", "all_gather_uneven", "all_gather_single", "re
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
           "complex64", "complex128")
 REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
-SHAPES = ((), (0,), (1,), (5,), (2, 3), (0, 3))
+SHAPES = ((), (0,), (1,), (5,), (2, 3), (0, 3), (257, 131))  # the last: past the 64 KiB envelope for most dtypes
 _ASYNC_OPS = frozenset(OPS) - {"send_recv", "ring", "barrier"}
 _ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
 _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter_single"})
