@@ -3,6 +3,9 @@
 Every program takes the global array whose row ``i`` is group rank ``i``'s local tensor (sharded
 along the one mesh axis ``AXIS``) and returns a global array whose row ``i`` is rank ``i``'s result.
 Programs are cached by :class:`ProgramKey`; :func:`cache_stats` makes the hit rate observable.
+Every program first exchanges fixed-shape envelope rows (:mod:`~tpudist.process_group.envelope`):
+the ranks' fingerprints, and the data itself when it fits, in which case that exchange is the
+whole program and the result is finished on the host.
 
 Ops that only move data (all_gather, all_to_all, broadcast, scatter, permute) run on raw bytes, so
 they are bit-exact for every dtype (``-0.0``, NaN payloads, bool, complex) and share programs across
@@ -107,9 +110,10 @@ class Compiled:
 
 
 _cache: dict[tuple[ProgramKey, bool, bool], Compiled] = {}
-# Ranks compare fingerprints before moving data (see _build). TPUDIST_VERIFY=0 drops that second
-# collective: tiny collectives then take about half the time, and a rank that issues a different
-# collective than its peers corrupts data or hangs, as with NCCL. Must be the same on every rank.
+# Ranks compare fingerprints before moving data (see _build). TPUDIST_VERIFY=0 drops the rows
+# exchange in front of collectives larger than the envelope (small ones travel in it anyway): one
+# collective fewer per call, and a rank that issues a different collective than its peers corrupts
+# data or aborts, as with NCCL. Must be the same on every rank.
 _verify = os.environ.get("TPUDIST_VERIFY", "1") != "0"
 
 
