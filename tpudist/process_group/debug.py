@@ -9,9 +9,10 @@ do not publish within the group timeout make the others raise :class:`Collective
 them. Nothing has reached XLA at that point, so the groups stay usable after a mismatch.
 
 The default mode already compares a 24-byte fingerprint in every program's first exchange
-(envelope.py). DETAIL adds what that cannot: the c10d op name (``gather`` and ``all_gather`` run the same program), the full shape,
-readable names in the message, and a timeout that knows who is missing without XLA's help. It costs
-a few store round trips per collective (``benchmarks/debug_overhead.py`` measures how many us).
+(envelope.py). DETAIL adds what that cannot: the c10d op name (``gather`` and ``all_gather`` run
+the same program), the full shape, readable names in the message, and a timeout that knows who is
+missing without XLA's help. It costs a few store round trips per collective
+(``benchmarks/debug_overhead.py`` measures how many us).
 
 Store keys: calls meet in the world group's store under ``tpudist/detail/<device set>/<slot>/<rank>``.
 The slot counts the programs run over one device set by every group, because groups with the same
