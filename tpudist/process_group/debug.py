@@ -23,7 +23,6 @@ two keys per rank and device set exist; the world's last keys go at ``destroy_pr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tpudist.process_group.switch import Switch
 from tpudist.process_group.work import (
     CollectiveError,
     CollectiveMismatch,
@@ -137,18 +137,8 @@ class _Ledger:
 
 
 _ledger: _Ledger | None = None
-_active = True  # the scoped switch of detail_checks(); every rank must flip it at the same point
-
-
-@contextlib.contextmanager
-def detail_checks(enabled: bool):
-    """Scoped switch of the DETAIL checks of groups created in DETAIL mode (every rank alike)."""
-    global _active
-    saved, _active = _active, enabled
-    try:
-        yield
-    finally:
-        _active = saved
+_ACTIVE = Switch(True)  # turned off for a scope by detail_checks(); every rank at the same point
+detail_checks = _ACTIVE.scoped  # (enabled): the DETAIL checks of groups created in DETAIL mode
 
 
 def for_group(group: Any) -> Detail | None:
@@ -175,7 +165,7 @@ class Detail:
 
         Raises CollectiveMismatch (on every rank) or CollectiveTimeout; nothing ran on XLA then.
         """
-        if not _active:
+        if not _ACTIVE:
             return
         ledger, device_set = self._ledger, tuple(key.group)
         slot = ledger.slots[device_set] = ledger.slots.get(device_set, 0) + 1

@@ -14,7 +14,6 @@ dtypes of the same size.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
@@ -25,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tpudist.process_group import envelope
+from tpudist.process_group.switch import Switch
 
 AXIS = "ranks"
 
@@ -114,34 +114,14 @@ _cache: dict[tuple[ProgramKey, bool, bool], Compiled] = {}
 # exchange in front of collectives larger than the envelope (small ones travel in it anyway): one
 # collective fewer per call, and a rank that issues a different collective than its peers corrupts
 # data or aborts, as with NCCL. Must be the same on every rank.
-_verify = os.environ.get("TPUDIST_VERIFY", "1") != "0"
-
+_VERIFY = Switch(os.environ.get("TPUDIST_VERIFY", "1") != "0")
+verify_collectives = _VERIFY.scoped  # (enabled): the cross-rank check, for a scope
 
 # Collectives whose data fits the envelope finish in its exchange (see envelope.py); the switch
 # exists so tests can run every op through its full program too. Same on every rank.
-_small = True
+_SMALL = Switch(True)
+small_collectives = _SMALL.scoped  # (enabled): the one-exchange path for small collectives
 
-
-@contextlib.contextmanager
-def small_collectives(enabled: bool):
-    """Scoped switch of the one-exchange path for small collectives (same on every rank)."""
-    global _small
-    saved, _small = _small, enabled
-    try:
-        yield
-    finally:
-        _small = saved
-
-
-@contextlib.contextmanager
-def verify_collectives(enabled: bool):
-    """Scoped switch of the cross-rank fingerprint check (every rank must use the same setting)."""
-    global _verify
-    saved, _verify = _verify, enabled
-    try:
-        yield
-    finally:
-        _verify = saved
 _meshes: dict[tuple[int, ...], Any] = {}
 _envelope_programs: dict[tuple[int, ...], Any] = {}
 _stats = CacheStats()
@@ -175,7 +155,7 @@ def mesh_of(group: tuple[int, ...]) -> Any:
 
 def program(key: ProgramKey) -> Compiled:
     """The compiled program for ``key``, built on first use."""
-    entry = (key, _verify, _small)
+    entry = (key, _VERIFY.on, _SMALL.on)
     fn = _cache.get(entry)
     if fn is not None:
         _stats.hits += 1
@@ -183,7 +163,7 @@ def program(key: ProgramKey) -> Compiled:
     with _lock:
         fn = _cache.get(entry)
         if fn is None:
-            fn = _cache[entry] = _build(key, _verify, _small)
+            fn = _cache[entry] = _build(*entry)  # (key, verify, small)
             _stats.misses += 1
             _stats.by_op[key.op] = _stats.by_op.get(key.op, 0) + 1
         else:
