@@ -51,6 +51,7 @@ def subgroup_specs() -> list:
 
 
 def member(spec) -> bool:
+    groups(spec)  # the first case a pool runs creates every group, on every rank (it is collective)
     return spec is None or dist.get_rank() in spec
 
 

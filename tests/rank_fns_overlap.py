@@ -70,12 +70,20 @@ def _in_place(kind: str, group: Any, alias: bool) -> list[float]:
     raise ValueError(kind)
 
 
-def in_place(kind: str) -> tuple[list[float], list[float]]:
-    """(tpu result of the in-place form ``kind``, gloo result of the same call on separate tensors).
+def in_place(kind: str, small: bool = True) -> tuple[list[float], list[float]]:
+    """(tpu result of the in-place form ``kind``, gloo result of the same call on separate tensors),
+    with the one-exchange path for small collectives on or off.
 
     The reference is gloo without aliasing: the in-place forms mean "inputs are read before outputs
     are written", and gloo's own in-place all_to_all does not honour that.
     """
+    from tpudist.process_group import programs
+
+    with programs.small_collectives(small):
+        return _in_place_vs_gloo(kind)
+
+
+def _in_place_vs_gloo(kind: str) -> tuple[list[float], list[float]]:
     if not _gloo:
         _gloo.append(dist.new_group(backend="gloo"))
     if kind == "interleaved_chunks":  # gloo refuses non-contiguous outputs: compare with separate ones

@@ -63,8 +63,10 @@ def test_gather_outputs_that_overlap_are_refused():  # the root alone checks: no
 @pytest.mark.parametrize("kind", ["all_gather_into_tensor", "all_gather_list", "reduce_scatter_tensor",
                                   "reduce_scatter_list", "all_to_all_single", "all_to_all_list",
                                   "gather", "scatter", "interleaved_chunks"])
-def test_in_place_forms_match_gloo(pool2, kind):
-    for tpu, gloo in pool2.run(fns.in_place, kind):
+@pytest.mark.parametrize("small", [True, False], ids=["envelope", "full"])
+def test_in_place_forms_match_gloo(pool2, kind, small):
+    # "full": the ops' own programs, where results are assembled in the caller's output directly
+    for tpu, gloo in pool2.run(fns.in_place, kind, small):
         assert tpu == gloo
 
 

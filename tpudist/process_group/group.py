@@ -120,22 +120,27 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         return f"{op} on group {self._name or '?'} (global ranks {list(self._global_ranks)})"
 
     def _submit(self, op: str, key: ProgramKey, block: np.ndarray,
-                finish: Callable[[np.ndarray], Any], async_op: bool) -> Work:
+                finish: Callable[[np.ndarray], Any], async_op: bool,
+                dest: np.ndarray | None = None) -> Work:
+        """Queues the program for ``key`` on ``block``; ``finish`` writes its result back. ``dest``:
+        the caller's output, contiguous and in the result's shape, which the result may be
+        assembled in directly (see :meth:`Compiled.run`)."""
         work = Work(self._describe(op), self._timeout)
 
         def task():
-            return finish(self._run_program(op, key, block))
+            return finish(self._run_program(op, key, block, dest))
 
         return self._enqueue(work, task, async_op)
 
-    def _run_program(self, op: str, key: ProgramKey, block: np.ndarray) -> np.ndarray:
+    def _run_program(self, op: str, key: ProgramKey, block: np.ndarray,
+                     dest: np.ndarray | None = None) -> np.ndarray:
         if self._detail is not None:
             self._detail.check(self, op, key)  # raises before any XLA runs
         compiled = programs.program(key)
         seq = self._programs_run[key.group] = self._programs_run.get(key.group, 0) + 1
         fingerprint = compiled.call_fingerprint(self._group_code, seq)
         try:
-            result, fingerprints = compiled.run(block, fingerprint)
+            result, fingerprints = compiled.run(block, fingerprint, dest)
         except Exception as e:  # XLA raises ValueError/JaxRuntimeError: make it a c10d-style error
             for looks_like, error, what in _FAILURES:
                 if looks_like(e):
@@ -236,7 +241,10 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
                 tz.write_numeric(t, out)
             return [t]
 
-        return self._submit(op, self._key("all_reduce", block, reduce, static), block, finish, async_op)
+        # all_reduce may assemble its result in the tensor itself (no copy back).
+        dest = block if root is None and t.is_contiguous() and t.dtype != torch.bool else None
+        return self._submit(op, self._key("all_reduce", block, reduce, static), block, finish, async_op,
+                            dest)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()

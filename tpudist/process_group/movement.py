@@ -54,7 +54,8 @@ class DataMovement:
         staged = [out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
                   for out in outputs]
         per_rank = [list(s.view(self.size(), s.numel() // self.size())) for s in staged]
-        work = self._gather_bytes(op, inputs, per_rank, opts.asyncOp)
+        work = self._gather_bytes(op, inputs, per_rank, opts.asyncOp,
+                                  into=staged[0] if len(staged) == 1 else None)
         if any(s is not o for s, o in zip(staged, outputs)):
             work.wait()
             with torch.no_grad():
@@ -76,16 +77,20 @@ class DataMovement:
         return self._gather_bytes("all_gather_coalesced", inputs, output_lists, opts.asyncOp)
 
     def _gather_bytes(self, op: str, inputs: list[torch.Tensor], outputs: list[list[Any]],
-                      async_op: bool, root: int | None = None):
+                      async_op: bool, root: int | None = None, into: torch.Tensor | None = None):
         """All-gathers the bytes of ``inputs``; ``outputs[k][r]`` receives rank r's input k.
 
         Uneven sizes (known to every rank from the output shapes) are padded to the largest.
+        ``into``: one contiguous tensor whose rows are ``outputs[0]``, which the result can then be
+        assembled in directly.
         """
         sizes = [[tz.nbytes_of(o) for o in row] for row in outputs]  # [input k][rank r]
         widths = [max(row) for row in sizes]
         unit = tz.byte_unit(int(np.gcd.reduce([*widths, *(s for row in sizes for s in row), 4])))
         parts = [tz.padded(tz.raw(t, unit), w // unit.itemsize) for t, w in zip(inputs, widths)]
         block = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, unit)
+        even = len(inputs) == 1 and all(size == widths[0] for size in sizes[0])
+        dest = tz.raw(into, unit).reshape(len(outputs[0]), -1) if into is not None and even else None
 
         def finish(out):  # out: (n, sum(widths) / unit)
             if root is not None and root != self.rank():
@@ -98,7 +103,7 @@ class DataMovement:
                 offset += width
             return [o for row in outputs for o in row]
 
-        return self._submit(op, self._key("all_gather", block), block, finish, async_op)
+        return self._submit(op, self._key("all_gather", block), block, finish, async_op, dest)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
@@ -171,13 +176,15 @@ class DataMovement:
                 raise ValueError(f"{op}: without split sizes, input.shape[0] must divide by group "
                                  f"size={n} and output.numel() must equal input.numel(); got "
                                  f"input.shape={tuple(input.shape)}, output.shape={tuple(output.shape)}")
-            block = tz.raw(input, tz.byte_unit(tz.nbytes(input) // n)).reshape(n, -1)
+            unit = tz.byte_unit(tz.nbytes(input) // n)
+            block = tz.raw(input, unit).reshape(n, -1)
+            dest = tz.raw(output, unit).reshape(n, -1) if output.is_contiguous() else None
 
             def finish(out):
-                tz.write_bytes(output, out)
+                tz.write_bytes(output, out)  # nothing to copy when the result was assembled in it
                 return [output]
 
-            return self._submit(op, self._key("all_to_all", block), block, finish, opts.asyncOp)
+            return self._submit(op, self._key("all_to_all", block), block, finish, opts.asyncOp, dest)
         in_splits = list(input_split_sizes) or [input.shape[0] // n] * n
         out_splits = list(output_split_sizes) or [output.shape[0] // n] * n
         for name, splits, t in (("input", in_splits, input), ("output", out_splits, output)):

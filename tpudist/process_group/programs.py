@@ -63,6 +63,28 @@ class CacheStats:
 
 
 @dataclass(frozen=True, slots=True)
+class Lowering:
+    """How one op runs as a program over this rank's block.
+
+    ``split`` cuts the block into the program's inputs (host views, no copies where rows are
+    contiguous), ``body`` maps those local inputs to local outputs inside ``shard_map``, and
+    ``join`` makes the op's result from the outputs (and the block, for the part of the result a
+    rank keeps for itself), in ``dest`` when given one of the result's shape and it can. Most ops are one input and one output; the direct lowerings send each
+    peer its piece as a separate ``ppermute`` and so need neither XLA's slicing of the input nor
+    its concatenation of the output (``_direct``).
+    """
+
+    split: Callable[[np.ndarray], list[np.ndarray]]
+    body: Callable[..., tuple]
+    join: Callable[[np.ndarray, list[np.ndarray], np.ndarray | None], np.ndarray]
+
+
+def _single(body: Callable[[Any], Any]) -> Lowering:
+    """A lowering with one input (the block) and one output (the result)."""
+    return Lowering(lambda block: [block], lambda x: (body(x),), lambda block, outs, dest: outs[0])
+
+
+@dataclass(frozen=True, slots=True)
 class Compiled:
     """A built program with what each call needs ready: no per-call sharding or aval work.
 
@@ -72,30 +94,27 @@ class Compiled:
 
     plan: envelope.Plan
     envelope_fn: Callable[[Any], Any]  # rows -> rows received (shared by a group's small ops)
-    fn: Callable[[Any, Any], Any] | None  # (data, rows) -> (result, fingerprints); None: small
+    fn: Callable[..., Any] | None  # (*inputs, rows) -> (outputs, fingerprints); None: small
+    lowering: Lowering | None
     fingerprint_host: np.ndarray  # what the key decides; a call adds its group and sequence number
     envelope_aval: Any
-    aval: Any
+    avals: tuple  # one per program input
     sharding: Any
     device: Any
     x64: bool  # JAX truncates 64-bit types unless x64 is on for the call (FACTS.md)
-
-    def to_global(self, block: np.ndarray) -> Any:
-        """The global array whose row i is group rank i's block; ours aliases ``block`` (no copy).
-
-        ``batched_device_put`` builds it in ~3 us, against ~70 us for device_put followed by
-        make_array_from_single_device_arrays (measured here, jax 0.10.2).
-        """
-        return xla_batched_put(self.aval, self.sharding, block, self.device)
 
     def call_fingerprint(self, group_code: int, seq: int) -> np.ndarray:
         """The key's fingerprint plus the call's group and per-group sequence number: ranks that
         skipped a collective, or issued two groups' collectives in different orders, differ here."""
         return np.concatenate([self.fingerprint_host, np.array([group_code, seq], np.int32)])
 
-    def run(self, block: np.ndarray, fingerprint: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    def run(self, block: np.ndarray, fingerprint: np.ndarray,
+            dest: np.ndarray | None = None) -> tuple[np.ndarray | None, np.ndarray]:
         """Runs on our block; returns (our result, every rank's fingerprint). The result is None
-        when the fingerprints disagree (then no data moved)."""
+        when the fingerprints disagree (then no data moved). ``dest``, the caller's output in the
+        result's shape, receives the result where the lowering can assemble it there (the result
+        is then ``dest``): one copy fewer. It is written only after every input has been read, so
+        it may be the block's own memory."""
         rows = envelope.pack(self.plan, block, fingerprint)
         x_rows = xla_batched_put(self.envelope_aval, self.sharding, rows, self.device)
         if self.fn is None:
@@ -105,8 +124,16 @@ class Compiled:
         import jax
 
         with jax.enable_x64(self.x64):
-            out, fps = self.fn(self.to_global(block), x_rows)
-            return np.asarray(out._arrays[0])[0], np.asarray(fps._arrays[0])[0]
+            # Each input aliases the block's memory where it is aligned (batched_device_put builds
+            # the global array in ~3 us, against ~70 us for device_put followed by
+            # make_array_from_single_device_arrays: measured here, jax 0.10.2).
+            inputs = [xla_batched_put(aval, self.sharding, piece, self.device)
+                      for aval, piece in zip(self.avals, self.lowering.split(block))]
+            outs, fps = self.fn(*inputs, x_rows)
+            fps = np.asarray(fps._arrays[0])[0]  # the program has finished: inputs are read
+            if not (fps == fps[0]).all():
+                return None, fps
+            return self.lowering.join(block, [np.asarray(o._arrays[0])[0] for o in outs], dest), fps
 
 
 _cache: dict[tuple[ProgramKey, bool, bool], Compiled] = {}
@@ -214,31 +241,36 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
 
     n = len(key.group)
     mesh = mesh_of(key.group)
-    fn = None
+    rt = runtime.current()
+    me = key.group.index(rt.process_id)
+    fn = lowering = None
+    avals: tuple = ()
     if not (small and envelope.fits(key)):
-        body = LOWERINGS[key.op](key)
+        lowering = LOWERINGS[key.op](key, me)
+        # Shapes only: a zero-strided stand-in for the block, so nothing is allocated.
+        stand_in = np.broadcast_to(np.zeros((), np.dtype(key.dtype)), key.shape)
+        avals = tuple(core.ShapedArray((n, *p.shape), p.dtype) for p in lowering.split(stand_in))
 
-        def unchecked(x, rows):
-            fps = envelope.fingerprints(rows[0])
-            return body(x[0])[None], jnp.broadcast_to(fps[0], fps.shape)[None]
+        def unchecked(*args):
+            fps = envelope.fingerprints(args[-1][0])
+            outs = lowering.body(*(x[0] for x in args[:-1]))
+            return tuple(o[None] for o in outs), jnp.broadcast_to(fps[0], fps.shape)[None]
 
-        def checked(x, rows):
-            out_shape = jax.eval_shape(body, x[0])  # inside shard_map: the axis name is bound
+        def checked(*args):
+            xs, rows = [x[0] for x in args[:-1]], args[-1]
+            out_shapes = jax.eval_shape(lowering.body, *xs)  # inside shard_map: the axis is bound
             fps = envelope.fingerprints(_exchange(rows[0]))
             agree = jnp.all(fps == fps[0:1])
-            out = jax.lax.cond(agree, lambda v: body(v[0]),
-                               lambda v: jnp.zeros(out_shape.shape, out_shape.dtype), x)
-            return out[None], fps[None]
+            outs = jax.lax.cond(agree, lambda vs: lowering.body(*vs),
+                                lambda vs: tuple(jnp.zeros(o.shape, o.dtype) for o in out_shapes), xs)
+            return tuple(o[None] for o in outs), fps[None]
 
         fn = jax.jit(jax.shard_map(checked if verify else unchecked, mesh=mesh,
-                                   in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS)),
+                                   in_specs=(P(AXIS),) * (len(avals) + 1), out_specs=P(AXIS),
                                    check_vma=False))
-    rt = runtime.current()
     fp = fingerprint(key)
-    return Compiled(envelope.plan(key, key.group.index(rt.process_id), carries_data=fn is None),
-                    _envelope_program(key.group), fn, fp,
-                    core.ShapedArray((n, n, envelope.WORDS), np.int32),
-                    core.ShapedArray((n, *key.shape), np.dtype(key.dtype)),
+    return Compiled(envelope.plan(key, me, carries_data=fn is None), _envelope_program(key.group),
+                    fn, lowering, fp, core.ShapedArray((n, n, envelope.WORDS), np.int32), avals,
                     NamedSharding(mesh, P(AXIS)), rt.local_device, key.dtype in _WIDE)
 
 
@@ -268,8 +300,8 @@ def xla_batched_put(aval: Any, sharding: Any, block: np.ndarray, device: Any) ->
     return xla_client.batched_device_put(aval, sharding, [block[None]], [device], True)
 
 
-# -- lowerings: key -> body(local block) -> local result ------------------------------------------
-LOWERINGS: dict[str, Callable[[ProgramKey], Callable[[Any], Any]]] = {}
+# -- lowerings: (key, this rank's group index) -> Lowering ----------------------------------------
+LOWERINGS: dict[str, Callable[[ProgramKey, int], Lowering]] = {}
 
 
 def _lowering(op: str):
@@ -283,88 +315,110 @@ def _is_low_precision(dtype: str) -> bool:
     return dtype in ("float16", "bfloat16")
 
 
-def _fold_rows(rows, key: ProgramKey):
-    """Reduces ``rows`` (one per rank, rank order) with ``key.reduce``; as envelope.fold does."""
+def _fold(parts: list, key: ProgramKey):
+    """Reduces ``parts`` (one per rank) with ``key.reduce``, as envelope.fold does on the host."""
     import jax.numpy as jnp
 
-    reduce = key.reduce
+    reduce, dtype = key.reduce, parts[0].dtype
     if reduce in (SUM, AVG, PREMUL_SUM):
         # XLA:CPU reduces 16-bit floats ~10x slower than float32 (FACTS.md); float32 is also exact-er.
-        wide = rows.astype(jnp.float32) if _is_low_precision(key.dtype) else rows
+        wide = [p.astype(jnp.float32) for p in parts] if _is_low_precision(key.dtype) else parts
         if reduce == PREMUL_SUM:
-            wide = wide * jnp.asarray(key.static[0], dtype=wide.dtype)
-        total = functools.reduce(jnp.add, [wide[i] for i in range(wide.shape[0])])
+            wide = [w * jnp.asarray(key.static[0], dtype=w.dtype) for w in wide]
+        total = functools.reduce(jnp.add, wide)
         if reduce == AVG:
-            total = total / wide.shape[0]
-        return total.astype(rows.dtype)
+            total = total / len(parts)
+        return total.astype(dtype)
     fn = {MIN: jnp.minimum, MAX: jnp.maximum}.get(reduce) or getattr(jnp, _FOLDED[reduce])
-    return functools.reduce(fn, [rows[i] for i in range(rows.shape[0])])
+    return functools.reduce(fn, parts)
 
 
-def _reduce_scatter_rows(x, key: ProgramKey):
-    """Block ``(n, *chunk)`` -> chunk ``i`` of the reduction on rank ``i``, as one all_to_all and a
-    local fold: each rank sends (n-1)/n of its data once, in one round of direct sends. XLA:CPU's
-    own reduce-scatter copies the input and runs gloo's halving-doubling: 1.5-3x slower (measured)."""
+def _to_peers(pieces, n: int) -> tuple:
+    """Direct sends: ``pieces[k - 1]`` goes to the rank ``k`` places after ours (one ``ppermute``
+    each); output ``k - 1`` came from the rank ``k`` places before ours.
+
+    The direct lowerings (all_to_all, all_gather, reduce_scatter, all_reduce) are built on this.
+    XLA:CPU's own all_to_all slices its input into per-peer buffers and concatenates its output, two
+    extra copies: at 64 MiB it took 98 ms on 2 ranks and 155 ms on 4, the ppermutes 37 and 63 (gloo
+    32 and 45). Its all-reduce took 57 and 135 ms, a reduce-scatter and all-gather built from these
+    sends 46 and 102 (gloo 45 and 120; benchmarks/collectives.py has the table).
+    """
     import jax
 
-    return _fold_rows(jax.lax.all_to_all(x, AXIS, split_axis=0, concat_axis=0, tiled=True), key)
+    return tuple(jax.lax.ppermute(p, AXIS, perm=[(i, (i + k) % n) for i in range(n)])
+                 for k, p in enumerate(pieces, start=1))
 
 
-def _all_reduce(x, key: ProgramKey):
-    import jax
-    import jax.numpy as jnp
-
-    reduce, n = key.reduce, len(key.group)
-    if reduce == MIN:
-        return jax.lax.pmin(x, AXIS)
-    if reduce == MAX:
-        return jax.lax.pmax(x, AXIS)
-    if reduce in _FOLDED:
-        # No XLA all-reduce for bitwise ops or exact products in rank order: reduce-scatter by
-        # all_to_all, fold, all-gather (each rank sends 2(n-1)/n of its data, as a ring does).
-        flat = x.reshape(-1)
-        pad = -flat.shape[0] % n
-        rows = jnp.pad(flat, (0, pad)).reshape(n, -1)
-        part = _reduce_scatter_rows(rows, key)
-        full = jax.lax.all_gather(part, AXIS, axis=0, tiled=True)
-        return full[:flat.shape[0]].reshape(x.shape)
-    wide = x.astype(jnp.float32) if _is_low_precision(key.dtype) else x
-    if reduce == PREMUL_SUM:
-        wide = wide * jnp.asarray(key.static[0], dtype=wide.dtype)
-    total = jax.lax.psum(wide, AXIS)
-    if reduce == AVG:
-        total = total / n
-    return total.astype(x.dtype)
+def _place(own: np.ndarray, outs: list[np.ndarray], me: int, rows: int,
+           dest: np.ndarray | None) -> np.ndarray:
+    """The result whose row ``me`` is ``own`` and row ``me - k`` output ``k - 1`` (see _to_peers),
+    in ``dest`` if given. ``own`` may live in ``dest``'s memory: it is placed first."""
+    result = np.empty((rows, *own.shape), own.dtype) if dest is None else dest
+    result[me] = own
+    for k, out in enumerate(outs, start=1):
+        result[(me - k) % rows] = out
+    return result
 
 
 @_lowering("all_reduce")
-def _lower_all_reduce(key: ProgramKey):
-    return lambda x: _all_reduce(x, key)
+def _lower_all_reduce(key: ProgramKey, me: int) -> Lowering:
+    """A reduce-scatter and an all-gather of direct sends: rank j folds chunk j of every rank's
+    tensor and sends the total to every other rank. Each rank sends 2(n-1)/n of its data, as a ring
+    does, in two rounds instead of 2(n-1); every rank ends with the same bits."""
+    n = len(key.group)
+    numel = int(np.prod(key.shape, dtype=np.int64))
+    width = max(1, -(-numel // n))  # chunk j is flat[j * width:(j + 1) * width], the last padded
+
+    def split(block):
+        flat = block.reshape(-1)
+        pieces = [flat[j * width:(j + 1) * width] for j in ((me + k) % n for k in range(n))]
+        return [p if p.shape[0] == width else np.concatenate([p, np.zeros(width - p.shape[0], p.dtype)])
+                for p in pieces]
+
+    def body(own, *pieces):
+        total = _fold([own, *_to_peers(pieces, n)], key)
+        return (total, *_to_peers([total] * (n - 1), n))
+
+    def join(block, outs, dest):
+        if dest is not None and numel == n * width:  # no padding: the chunks tile dest
+            return _place(outs[0], outs[1:], me, n, dest.reshape(n, width)).reshape(key.shape)
+        return _place(outs[0], outs[1:], me, n, None).reshape(-1)[:numel].reshape(key.shape)
+
+    return Lowering(split, body, join)
 
 
 @_lowering("reduce_scatter")
-def _lower_reduce_scatter(key: ProgramKey):
-    """Block ``(n, *chunk)`` -> chunk ``i`` of the reduction on rank ``i``."""
-    return lambda x: _reduce_scatter_rows(x, key)
+def _lower_reduce_scatter(key: ProgramKey, me: int) -> Lowering:
+    """Block ``(n, *chunk)`` -> chunk ``i`` of the reduction on rank ``i``: row j goes straight to
+    rank j, which folds what it receives. XLA:CPU's own reduce-scatter copies the input and runs
+    gloo's halving-doubling: 1.5-3x slower (measured)."""
+    n = len(key.group)
+    return Lowering(lambda block: [block[(me + k) % n] for k in range(n)],
+                    lambda own, *pieces: (_fold([own, *_to_peers(pieces, n)], key),),
+                    lambda block, outs, dest: outs[0])
 
 
 @_lowering("all_gather")
-def _lower_all_gather(key: ProgramKey):
-    import jax
-
-    return lambda x: jax.lax.all_gather(x, AXIS, axis=0, tiled=False)
+def _lower_all_gather(key: ProgramKey, me: int) -> Lowering:
+    """Our block to every peer, one direct send each; the result's row ``i`` is rank ``i``'s block."""
+    n = len(key.group)
+    return Lowering(lambda block: [block] if n > 1 else [],
+                    lambda *x: _to_peers(x * (n - 1), n),
+                    lambda block, outs, dest: _place(block, outs, me, n, dest))
 
 
 @_lowering("all_to_all")
-def _lower_all_to_all(key: ProgramKey):
-    """Block ``(n, *chunk)``: row ``j`` goes to rank ``j``; result row ``i`` came from rank ``i``."""
-    import jax
-
-    return lambda x: jax.lax.all_to_all(x, AXIS, split_axis=0, concat_axis=0, tiled=True)
+def _lower_all_to_all(key: ProgramKey, me: int) -> Lowering:
+    """Block ``(n, *chunk)``: row ``j`` goes to rank ``j``; result row ``i`` came from rank ``i``.
+    Our own row never enters the program."""
+    n = len(key.group)
+    return Lowering(lambda block: [block[(me + k) % n] for k in range(1, n)],
+                    lambda *pieces: _to_peers(pieces, n),
+                    lambda block, outs, dest: _place(block[me], outs, me, n, dest))
 
 
 @_lowering("broadcast")
-def _lower_broadcast(key: ProgramKey):
+def _lower_broadcast(key: ProgramKey, me: int) -> Lowering:
     """A binomial tree of ``ppermute`` s from the root: ceil(log2 n) rounds, each moving the raw bits
     once per edge. (A masked psum also works, but XLA:CPU reduces it: 4-10x slower than gloo.)"""
     import jax
@@ -374,40 +428,40 @@ def _lower_broadcast(key: ProgramKey):
     if n == 2:
         # One transfer; the root's result is never written back, so it needs no select (on XLA:CPU a
         # select over 64 MiB cost 70 ms, 2.5x the transfer itself: measured).
-        return lambda x: jax.lax.ppermute(x, AXIS, perm=[(root, 1 - root)])
+        return _single(lambda x: jax.lax.ppermute(x, AXIS, perm=[(root, 1 - root)]))
 
     def body(x):
-        me = (jax.lax.axis_index(AXIS) - root) % n  # position relative to the root
+        pos = (jax.lax.axis_index(AXIS) - root) % n  # position relative to the root
         have = x
         span = 1
         while span < n:  # round: positions [0, span) send to [span, 2 * span)
             perm = [((src + root) % n, (src + span + root) % n) for src in range(min(span, n - span))]
             got = jax.lax.ppermute(have, AXIS, perm=perm)
-            have = jnp.where((me >= span) & (me < 2 * span), got, have)
+            have = jnp.where((pos >= span) & (pos < 2 * span), got, have)
             span *= 2
         return have
-    return body
+    return _single(body)
 
 
 @_lowering("scatter")
-def _lower_scatter(key: ProgramKey):
+def _lower_scatter(key: ProgramKey, me: int) -> Lowering:
     """Block ``(n, *chunk)`` on the root: one all_to_all, each rank keeps the row from the root."""
     import jax
 
     root = key.static[0]
-    return lambda x: jax.lax.all_to_all(x, AXIS, split_axis=0, concat_axis=0, tiled=True)[root]
+    return _single(lambda x: jax.lax.all_to_all(x, AXIS, split_axis=0, concat_axis=0, tiled=True)[root])
 
 
 @_lowering("permute")
-def _lower_permute(key: ProgramKey):
+def _lower_permute(key: ProgramKey, me: int) -> Lowering:
     """``static`` is the permutation as (source, destination) group-index pairs."""
     import jax
 
-    return lambda x: jax.lax.ppermute(x, AXIS, perm=list(key.static))
+    return _single(lambda x: jax.lax.ppermute(x, AXIS, perm=list(key.static)))
 
 
 @_lowering("barrier")
-def _lower_barrier(key: ProgramKey):
+def _lower_barrier(key: ProgramKey, me: int) -> Lowering:
     import jax
 
-    return lambda x: jax.lax.psum(x, AXIS)
+    return _single(lambda x: jax.lax.psum(x, AXIS))

@@ -64,7 +64,9 @@ def _copy_into(out: torch.Tensor, arr: np.ndarray) -> None:
     if out.is_contiguous():
         view_as = _VIEW_AS.get(out.dtype)  # numpy ops are cheaper than torch's on this path
         dst = (out.detach().view(view_as) if view_as is not None else out.detach()).numpy()
-        np.copyto(dst.reshape(-1).view(np.uint8), raw)
+        dst = dst.reshape(-1).view(np.uint8)
+        if dst.ctypes.data != raw.ctypes.data or dst.nbytes != raw.nbytes:  # else: assembled in place
+            np.copyto(dst, raw)
         return
     staged = torch.empty(out.shape, dtype=out.dtype)
     np.copyto(staged.reshape(-1).view(torch.uint8).numpy(), raw)
