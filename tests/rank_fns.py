@@ -187,3 +187,43 @@ def _timed_all_reduce() -> str:
         return "completed?!"
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__} after {time.monotonic() - t0:.0f}s: {e}"
+
+
+def split_groups() -> dict:
+    """tpudist.split_group on the world, on a subgroup and on a gloo group, checked against gloo
+    groups of the same ranks; then a split after ranks made different groups (torch's hashed
+    names for local groups diverge there); bad splits give their errors."""
+    from tpudist import split_group
+
+    rank = dist.get_rank()
+    refs = {r: dist.new_group(list(r), backend="gloo") for r in ((0, 1), (2, 3), (1, 3), (2,))}
+    gloo_world = dist.new_group(backend="gloo")
+    out: dict = {}
+
+    def check(group, ranks):
+        mine = next((r for r in ranks if rank in r), None)
+        if mine is None:
+            return repr(group)
+        t, ref = torch.arange(5.0) * (rank + 1), torch.arange(5.0) * (rank + 1)
+        dist.all_reduce(t, group=group)
+        dist.all_reduce(ref, group=refs[tuple(mine)])
+        return (dist.get_backend(group), dist.get_process_group_ranks(group), torch.equal(t, ref),
+                t.tolist())
+
+    out["halves"] = check(split_group(split_ranks=[[0, 1], [2, 3]]), [(0, 1), (2, 3)])
+    sub = dist.new_group([1, 2, 3])  # collective over the world: every rank creates it
+    if rank in (1, 2, 3):
+        out["inner"] = check(split_group(sub, [[0, 2], [1]]), [(1, 3), (2,)])
+    out["gloo"] = check(split_group(gloo_world, [[0, 1], [2, 3]]), [(0, 1), (2, 3)])
+    # Ranks 1 and 3 now hold one group more than rank 0 and 2: the same split again still agrees.
+    out["again"] = check(split_group(split_ranks=[[0, 1], [2, 3]]), [(0, 1), (2, 3)])
+    out["none"] = split_group(split_ranks=[[0, 1]]) is None  # ranks 2 and 3 are in no split
+    errors = []
+    for bad in ([], [[0, 1], [1, 2]], [[0, 4]], [[0, 0]], [[]]):
+        try:
+            split_group(split_ranks=bad)
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    return out

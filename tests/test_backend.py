@@ -137,3 +137,27 @@ def test_a_killed_rank_makes_every_survivor_raise_naming_it():
         assert text.startswith("CollectiveError after ")
         assert int(text.split()[2].rstrip("s:")) <= 10  # well within the 10 s group timeout
         assert "ranks [2] did not report (they died or hang)" in text
+
+
+def test_split_group_works_where_torchs_refuses_cpu_backends():
+    with RankPool(4) as pool:
+        results = pool.run(rank_fns.split_groups)
+    for rank, res in enumerate(results):
+        half = [0, 1] if rank < 2 else [2, 3]
+        expected = [i * (sum(half) + 2) for i in range(5)]
+        for case, backend in (("halves", "tpu"), ("gloo", "gloo"), ("again", "tpu")):
+            assert res[case] == (backend, half, True, expected), (rank, case)
+        if rank == 0:
+            assert "inner" not in res
+        else:
+            inner = [1, 3] if rank in (1, 3) else [2]
+            assert res["inner"][:3] == ("tpu", inner, True), rank
+        assert res["none"] == (rank >= 2), rank
+        assert res["errors"] == [
+            "split_group: split_ranks=[] must list at least one split, e.g. [[0, 1], [2, 3]]",
+            "split_group: rank 1 is in split_ranks[0] and split_ranks[1]; splits must not overlap",
+            "split_group: split_ranks[0]=[0, 4] holds rank 4, but the parent group's ranks are 0..3 "
+            "(group ranks, not global)",
+            "split_group: split_ranks[0]=[0, 0] lists a rank twice",
+            "split_group: split_ranks[0] is empty; every split needs a rank",
+        ]

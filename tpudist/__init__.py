@@ -15,11 +15,11 @@ def __getattr__(name):
         from tpudist.mesh import Topology
 
         return Topology
-    if name in ("monitored_barrier", "cache_stats"):
+    if name in ("monitored_barrier", "cache_stats", "split_group"):
         import tpudist.process_group as pg
 
         return getattr(pg, name)
     raise AttributeError(f"module 'tpudist' has no attribute {name!r}")
 
 
-__all__ = ["Topology", "__version__", "cache_stats", "monitored_barrier"]
+__all__ = ["Topology", "__version__", "cache_stats", "monitored_barrier", "split_group"]

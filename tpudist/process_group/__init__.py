@@ -28,8 +28,13 @@ def __getattr__(name):  # keep `import tpudist` free of JAX: load the backend on
         from tpudist.process_group.monitor import monitored_barrier
 
         return monitored_barrier
+    if name == "split_group":
+        from tpudist.process_group.split import split_group
+
+        return split_group
     raise AttributeError(name)
 
 
 __all__ = ["ALIAS_NAME", "BACKEND_NAME", "CollectiveError", "CollectiveTimeout", "ProcessGroupTPU",
-           "cache_stats", "create_process_group", "topology", "monitored_barrier", "register"]
+           "cache_stats", "create_process_group", "topology", "monitored_barrier", "register",
+           "split_group"]
