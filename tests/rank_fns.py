@@ -33,6 +33,10 @@ def mismatched(kind: str):
             fill = {"a": _pair_groups[0].group_name, "b": _pair_groups[1].group_name}
             dist.all_reduce(torch.ones(2), group=a)
             dist.all_reduce(torch.ones(2), group=b)
+        elif kind == "reduce_root":
+            dist.reduce(torch.ones(4), dst=r)
+        elif kind == "gather_root":
+            dist.gather(torch.ones(2), None, dst=1 - r)  # each rank believes the other one is dst
         elif kind == "all_to_all_splits":
             out = torch.zeros(3)
             dist.all_to_all_single(out, torch.ones(3), [1, 2], [2, 1] if r == 0 else [1, 2])

@@ -22,6 +22,8 @@ def pool():
     ("reduce_op", ["rank 0 called all_reduce sum of 4 x float32", "rank 1 called all_reduce max of 4 x float32"]),
     ("op", ["rank 0 called all_reduce sum of 4 x float32", "rank 1 called broadcast of 4 x int32"]),
     ("all_to_all_splits", ["split sizes must agree"]),
+    ("reduce_root", ["rank 0 called reduce sum to rank 0 of 4 x float32", "rank 1 called reduce sum to rank 1"]),
+    ("gather_root", ["rank 0 called gather to rank 1 of 2 x int32", "rank 1 called gather to rank 0 of 2"]),
     # two groups with the same members (one XLA communicator), issued in opposite orders
     ("swapped_groups", ["on group {a})", "on group {b})"]),
 ])

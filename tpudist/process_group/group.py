@@ -176,8 +176,10 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         except Exception:  # noqa: BLE001 - the store itself may be gone: then nobody is known
             return [r for r in device_set if r != me]
 
-    def _key(self, op: str, block: np.ndarray, reduce: str | None = None, static: tuple = ()) -> ProgramKey:
-        return ProgramKey(op, block.shape, _dtype_name(block.dtype), self._global_ranks, reduce, static)
+    def _key(self, op: str, block: np.ndarray, reduce: str | None = None, static: tuple = (),
+             root: int | None = None) -> ProgramKey:
+        return ProgramKey(op, block.shape, _dtype_name(block.dtype), self._global_ranks, reduce, static,
+                          root)
 
     def _reduce_name(self, op: str, reduce_op: Any, dtype: torch.dtype) -> tuple[str, tuple]:
         kind = getattr(reduce_op, "op", reduce_op)
@@ -243,8 +245,10 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
         # all_reduce may assemble its result in the tensor itself (no copy back).
         dest = block if root is None and t.is_contiguous() and t.dtype != torch.bool else None
-        return self._submit(op, self._key("all_reduce", block, reduce, static), block, finish, async_op,
-                            dest)
+        # reduce's root is in the key (and so in the fingerprint): ranks naming different roots
+        # get CollectiveMismatch, not a result on the wrong ranks.
+        key = self._key("all_reduce", block, reduce, static, root)
+        return self._submit(op, key, block, finish, async_op, dest)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()

@@ -103,7 +103,8 @@ class DataMovement:
                 offset += width
             return [o for row in outputs for o in row]
 
-        return self._submit(op, self._key("all_gather", block), block, finish, async_op, dest)
+        key = self._key("all_gather", block, root=root)  # gather: ranks must agree on the root too
+        return self._submit(op, key, block, finish, async_op, dest)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()

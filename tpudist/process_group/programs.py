@@ -48,6 +48,7 @@ class ProgramKey:
     group: tuple[int, ...]  # global ranks in group order: the mesh
     reduce: str | None = None
     static: tuple = ()  # op-specific: root, premul factor, permutation
+    root: int | None = None  # reduce and gather: the program is the all_ form's, the result stays here
 
 
 @dataclass(slots=True)
@@ -199,23 +200,29 @@ def program(key: ProgramKey) -> Compiled:
 
 
 def fingerprint(key: ProgramKey) -> np.ndarray:
-    """What a rank is about to run, as 4 int32: op, reduce and dtype, element count, and a hash of
-    the rest. Ranks compare it inside the program before any data moves (see :func:`_build`)."""
+    """What a rank is about to run, as 4 int32: op and root, reduce and dtype, element count, and a
+    hash of the rest. Ranks compare it inside the program before any data moves (see :func:`_build`)."""
     ops, dtypes = sorted(LOWERINGS), sorted(_DTYPE_NAMES)
     reduce_code = _REDUCES.index(key.reduce) + 1 if key.reduce else 0
+    root_code = 0 if key.root is None else key.root + 1
     numel = int(np.prod(key.shape, dtype=np.int64))
-    digest = zlib.crc32(repr((key.op, key.shape, key.dtype, key.reduce, key.static)).encode())
-    return np.array([ops.index(key.op), reduce_code * 256 + dtypes.index(key.dtype),
+    digest = zlib.crc32(repr((key.op, key.shape, key.dtype, key.reduce, key.static, key.root)).encode())
+    return np.array([root_code * 256 + ops.index(key.op), reduce_code * 256 + dtypes.index(key.dtype),
                      numel & 0x7FFFFFFF, digest - 2**31], np.int32)
 
 
 def describe_fingerprint(fp: np.ndarray, group_names: dict[int, str] | None = None) -> str:
-    """E.g. "all_reduce sum of 4 x float32 (#3 on group 0)"."""
+    """E.g. "all_reduce sum of 4 x float32 (#3 on group 0)", "reduce sum to rank 1 of 4 x ..."."""
     ops, dtypes = sorted(LOWERINGS), sorted(_DTYPE_NAMES)
+    root_code, op_code = divmod(int(fp[0]), 256)
     reduce_code, dtype_code = divmod(int(fp[1]), 256)
+    op = ops[op_code]
     reduce = f" {_REDUCES[reduce_code - 1]}" if reduce_code else ""
+    if root_code:
+        op = {"all_reduce": "reduce", "all_gather": "gather"}.get(op, op)
+        reduce += f" to rank {root_code - 1}"
     group = (group_names or {}).get(int(fp[4]), f"with code {int(fp[4])}")
-    return f"{ops[int(fp[0])]}{reduce} of {int(fp[2])} x {dtypes[dtype_code]} (#{int(fp[5])} on group {group})"
+    return f"{op}{reduce} of {int(fp[2])} x {dtypes[dtype_code]} (#{int(fp[5])} on group {group})"
 
 
 def group_code(name: str) -> int:
