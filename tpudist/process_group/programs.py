@@ -1,7 +1,9 @@
 """Collective lowerings: each c10d op is a small jitted ``shard_map`` program over a group's mesh.
 
-Every program takes the global array whose row ``i`` is group rank ``i``'s local tensor (sharded
-along the one mesh axis ``AXIS``) and returns a global array whose row ``i`` is rank ``i``'s result.
+Every program input is a global array whose row ``i`` is group rank ``i``'s local piece (sharded
+along the one mesh axis ``AXIS``), and so is every output. A :class:`Lowering` says how a rank's
+block becomes the inputs and the outputs its result: one of each for most ops, one per peer for the
+direct lowerings of all_to_all, all_gather, reduce_scatter and all_reduce (see ``_to_peers``).
 Programs are cached by :class:`ProgramKey`; :func:`cache_stats` makes the hit rate observable.
 Every program first exchanges fixed-shape envelope rows (:mod:`~tpudist.process_group.envelope`):
 the ranks' fingerprints, and the data itself when it fits, in which case that exchange is the
@@ -96,7 +98,7 @@ class Compiled:
     plan: envelope.Plan
     envelope_fn: Callable[[Any], Any]  # rows -> rows received (shared by a group's small ops)
     fn: Callable[..., Any] | None  # (*inputs, rows) -> (outputs, fingerprints); None: small
-    lowering: Lowering | None
+    lowering: Lowering | None  # None: small
     fingerprint_host: np.ndarray  # what the key decides; a call adds its group and sequence number
     envelope_aval: Any
     avals: tuple  # one per program input
@@ -254,7 +256,7 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
     avals: tuple = ()
     if not (small and envelope.fits(key)):
         lowering = LOWERINGS[key.op](key, me)
-        # Shapes only: a zero-strided stand-in for the block, so nothing is allocated.
+        # Shapes only: a zero-strided stand-in for the block (at most a padded chunk is allocated).
         stand_in = np.broadcast_to(np.zeros((), np.dtype(key.dtype)), key.shape)
         avals = tuple(core.ShapedArray((n, *p.shape), p.dtype) for p in lowering.split(stand_in))
 
