@@ -40,6 +40,9 @@ FP_WORDS = 6
 # 64 KiB: an all_to_all of 1 KiB or of 64 KiB rows takes the same time on XLA:CPU's gloo (latency
 # bound: 340-790 us on 2 ranks, 1.5-2.0 ms on 4, against 5 ms for gloo's own 4-64 KiB all_reduce on
 # 4 ranks; measured here), so every collective up to 64 KiB per destination costs one exchange.
+# A/B in benchmarks/collectives.py: 256 KiB rows made 4 B - 64 KiB ops 1.3-2x slower (packing and
+# XLA's slicing of 4x the bytes) and gained nothing at 1 MiB; 16 KiB rows did not make 4 B ops faster
+# and sent 64 KiB ops through a second program (1.7-2.5x slower).
 PAYLOAD_BYTES = 64 * 1024
 WORDS = FP_WORDS + PAYLOAD_BYTES // 4
 _OFFSET = FP_WORDS * 4  # payload start, in bytes
