@@ -431,7 +431,6 @@ def _lower_broadcast(key: ProgramKey, me: int) -> Lowering:
     """A binomial tree of ``ppermute`` s from the root: ceil(log2 n) rounds, each moving the raw bits
     once per edge. (A masked psum also works, but XLA:CPU reduces it: 4-10x slower than gloo.)"""
     import jax
-    import jax.numpy as jnp
 
     n, root = len(key.group), key.static[0]
     if n == 2:
@@ -446,7 +445,10 @@ def _lower_broadcast(key: ProgramKey, me: int) -> Lowering:
         while span < n:  # round: positions [0, span) send to [span, 2 * span)
             perm = [((src + root) % n, (src + span + root) % n) for src in range(min(span, n - span))]
             got = jax.lax.ppermute(have, AXIS, perm=perm)
-            have = jnp.where((pos >= span) & (pos < 2 * span), got, have)
+            # Each rank keeps one of the two buffers: a per-device cond moves one, where a select
+            # reads both (64 MiB on 4 ranks, bare: 99-113 ms with jnp.where, 66-90 ms with cond).
+            have = jax.lax.cond((pos >= span) & (pos < 2 * span), lambda a, b: a, lambda a, b: b,
+                                got, have)
             span *= 2
         return have
     return _single(body)
