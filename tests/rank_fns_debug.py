@@ -47,6 +47,8 @@ def mismatched(kind: str, which: str):
             if me == 0:
                 dist.all_reduce(t, group=twin)
             dist.all_reduce(t, group=group)
+        elif kind == "reduce_root":  # each rank names itself as the root
+            dist.reduce(t, dst=dist.get_global_rank(group, me), group=group)
         elif kind == "gather_vs_all_gather":  # the same program: only DETAIL tells them apart
             if me == 0:
                 dist.gather(t, [torch.zeros(4) for _ in range(group.size())], dst=root, group=group)

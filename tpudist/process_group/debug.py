@@ -77,27 +77,29 @@ class Call:
     dtype: str
     reduce: str | None
     static: tuple  # root, premul factor or permutation (see _STATIC_NAMES)
+    root: int | None  # reduce and gather: the group rank that keeps the result
     group: str
     seq: int  # the group's program count over these devices, from 1
 
     @classmethod
     def of(cls, op: str, key: Any, group: str, seq: int) -> Call:
-        return cls(op, key.op, tuple(key.shape), key.dtype, key.reduce, tuple(key.static), group, seq)
+        return cls(op, key.op, tuple(key.shape), key.dtype, key.reduce, tuple(key.static), key.root,
+                   group, seq)
 
     def encode(self) -> bytes:
         return json.dumps([self.op, self.program, self.shape, self.dtype, self.reduce, self.static,
-                           self.group, self.seq]).encode()
+                           self.root, self.group, self.seq]).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Call:
-        op, program, shape, dtype, reduce, static, group, seq = json.loads(raw)
-        return cls(op, program, _tuples(shape), dtype, reduce, _tuples(static), group, seq)
+        op, program, shape, dtype, reduce, static, root, group, seq = json.loads(raw)
+        return cls(op, program, _tuples(shape), dtype, reduce, _tuples(static), root, group, seq)
 
     def agrees_with(self, other: Call) -> bool:
         """Same call, except that a send meets a recv (the permutation says who sends)."""
         def identity(c: Call) -> tuple:
             return ("send/recv" if c.op in ("send", "recv") else c.op, c.program, c.shape, c.dtype,
-                    c.reduce, c.static, c.group, c.seq)
+                    c.reduce, c.static, c.root, c.group, c.seq)
         return identity(self) == identity(other)
 
     def __str__(self) -> str:
@@ -108,6 +110,8 @@ class Call:
         if self.static:
             name = _STATIC_NAMES.get(self.program, "static")
             parts.append(f"{name}={self.static[0] if name != 'pairs' else list(self.static)}")
+        if self.root is not None:
+            parts.append(f"dst={self.root}")
         return f"{self.op}{via}({', '.join(parts)}) as #{self.seq} on group {self.group or '(unnamed)'}"
 
 
