@@ -87,10 +87,13 @@ def plan(key: ProgramKey, me: int, carries_data: bool) -> Plan:
     return Plan(key, size or 0, key.op in _WHOLE_BLOCK, np.dtype(key.dtype), source)
 
 
-def pack(plan: Plan, block: np.ndarray | None, fingerprint: np.ndarray) -> np.ndarray:
-    """The ``(n, WORDS)`` int32 rows this rank sends: row j goes to group rank j."""
+def pack(plan: Plan, block: np.ndarray | None, fingerprint: np.ndarray,
+         rows: np.ndarray | None = None) -> np.ndarray:
+    """The ``(n, WORDS)`` int32 rows this rank sends: row j goes to group rank j. ``rows``: a
+    buffer to write them in, zero-filled when made and only ever written by this plan (every call
+    writes the same bytes of it, so nothing of an earlier call is left to send)."""
     n = len(plan.key.group)
-    rows = np.zeros((n, WORDS), np.int32)
+    rows = np.zeros((n, WORDS), np.int32) if rows is None else rows
     rows[:, :FP_WORDS] = fingerprint
     if plan.row_bytes and block is not None:
         data = np.ascontiguousarray(block).view(np.uint8).reshape(1 if plan.whole_block else n, -1)
