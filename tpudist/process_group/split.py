@@ -33,6 +33,11 @@ def split_group(parent_pg: Any = None, split_ranks: list[list[int]] | None = Non
 
     Splits must not overlap; a rank of the parent may be in none. The new groups use the parent's
     backend and, unless given, the default timeout.
+
+    Example (4 ranks; every rank calls it):
+        >>> import tpudist
+        >>> half = tpudist.split_group(split_ranks=[[0, 1], [2, 3]])  # doctest: +SKIP
+        >>> dist.all_reduce(t, group=half)  # sums over ranks 0-1, or over 2-3   # doctest: +SKIP
     """
     parent = parent_pg if parent_pg is not None else dist.group.WORLD
     size = dist.get_world_size(parent)
