@@ -45,7 +45,7 @@ OFF, INFO, DETAIL = "OFF", "INFO", "DETAIL"
 _LEVELS = (OFF, INFO, DETAIL)
 LEVEL_ENVS = ("TPUDIST_DEBUG", "TORCH_DISTRIBUTED_DEBUG")  # first one set wins
 _PREFIX = "tpudist/detail"
-# What ProgramKey.static holds, per program op (programs.py and p2p.py).
+# What ProgramKey.static holds, per program op (lowerings.py and p2p.py).
 _STATIC_NAMES = {"broadcast": "src", "scatter": "src", "permute": "pairs", "all_reduce": "factor",
                  "reduce_scatter": "factor"}
 
