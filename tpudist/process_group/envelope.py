@@ -90,8 +90,10 @@ def plan(key: ProgramKey, me: int, carries_data: bool) -> Plan:
 def pack(plan: Plan, block: np.ndarray | None, fingerprint: np.ndarray,
          rows: np.ndarray | None = None) -> np.ndarray:
     """The ``(n, WORDS)`` int32 rows this rank sends: row j goes to group rank j. ``rows``: a
-    buffer to write them in, zero-filled when made and only ever written by this plan (every call
-    writes the same bytes of it, so nothing of an earlier call is left to send)."""
+    buffer to write them in, zero-filled when made and shared by the programs of one group. The
+    payload past this call's bytes is not cleared (that would cost the memset the buffer saves):
+    it holds what an earlier call of the group put in the same row, i.e. sent to the same rank, and
+    receivers read only their call's bytes."""
     n = len(plan.key.group)
     rows = np.zeros((n, WORDS), np.int32) if rows is None else rows
     rows[:, :FP_WORDS] = fingerprint

@@ -70,7 +70,7 @@ class Compiled:
 
     plan: envelope.Plan
     envelope_fn: Callable[[Any], Any]  # rows -> rows received (shared by a group's small ops)
-    rows: np.ndarray  # the rows this rank sends, rewritten by every call (see _rows_buffer)
+    rows: np.ndarray  # the rows this rank sends, one buffer per group (see _rows_buffer)
     x_rows: Any  # the global array over ``rows``' memory, or None where XLA would not alias it
     fn: Callable[..., Any] | None  # (*inputs, rows) -> (outputs, fingerprints); None: small
     lowering: Lowering | None  # None: small
@@ -131,6 +131,7 @@ small_collectives = _SMALL.scoped  # (enabled): the one-exchange path for small 
 
 _meshes: dict[tuple[int, ...], Any] = {}
 _envelope_programs: dict[tuple[int, ...], Any] = {}
+_rows_buffers: dict[tuple[int, ...], tuple[np.ndarray, Any]] = {}
 _stats = CacheStats()
 _lock = threading.Lock()
 
@@ -145,6 +146,7 @@ def clear_cache() -> None:
         _cache.clear()
         _meshes.clear()
         _envelope_programs.clear()
+        _rows_buffers.clear()
 
 
 def mesh_of(group: tuple[int, ...]) -> Any:
@@ -257,28 +259,35 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
     fp = fingerprint(key)
     sharding = NamedSharding(mesh, P(AXIS))
     envelope_aval = core.ShapedArray((n, n, envelope.WORDS), np.int32)
-    rows, x_rows = _rows_buffer(n, envelope_aval, sharding, rt.local_device)
+    rows, x_rows = _rows_buffer(key.group, envelope_aval, sharding, rt.local_device)
     return Compiled(envelope.plan(key, me, carries_data=fn is None), _envelope_program(key.group),
                     rows, x_rows, fn, lowering, fp, envelope_aval, avals, sharding, rt.local_device,
                     key.dtype in _WIDE)
 
 
-def _rows_buffer(n: int, aval: Any, sharding: Any, device: Any) -> tuple[np.ndarray, Any]:
-    """A program's envelope rows, 64-byte aligned, and the global array XLA reads them from.
+def _rows_buffer(group: tuple[int, ...], aval: Any, sharding: Any,
+                 device: Any) -> tuple[np.ndarray, Any]:
+    """The envelope rows every program of ``group`` sends from, 64-byte aligned, and the global
+    array XLA reads them from.
 
     XLA:CPU takes an aligned numpy buffer as it is (no copy) and reads it when a program runs, so
     one global array serves every call: each call rewrites the rows, runs, and waits for the result
     before the next call can write (a process runs one collective at a time). That saves building
     the array per call (~20 of the ~140 us a small all_reduce costs in Python; measured here). Where
-    XLA copies instead (the pointers differ), the array is built per call from the rows.
+    XLA copies instead (the pointers differ), the array is built per call from the rows. One buffer
+    per group, not per program: n x 64 KiB each, however many shapes a run uses.
     """
-    nbytes = n * envelope.WORDS * 4
+    cached = _rows_buffers.get(group)
+    if cached is not None:
+        return cached
+    nbytes = len(group) * envelope.WORDS * 4
     raw = np.zeros(nbytes + 64, np.uint8)
     start = -raw.ctypes.data % 64
-    rows = raw[start:start + nbytes].view(np.int32).reshape(n, envelope.WORDS)
+    rows = raw[start:start + nbytes].view(np.int32).reshape(len(group), envelope.WORDS)
     x_rows = xla_batched_put(aval, sharding, rows, device)
     if x_rows.addressable_data(0).unsafe_buffer_pointer() != rows.ctypes.data:
         x_rows = None
+    _rows_buffers[group] = rows, x_rows
     return rows, x_rows
 
 
