@@ -214,6 +214,15 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
                              f"group ranks are 0..{self.size() - 1}")
         return rank
 
+    def _per_rank(self, op: str, lists: list[list[torch.Tensor]], what: str,
+                  who: str = "") -> list[torch.Tensor]:
+        """The one list of ``size()`` tensors, one per group rank, that list-form ops take (c10d
+        passes it wrapped in a list), each checked for its device."""
+        if len(lists) != 1 or len(lists[0]) != self.size():
+            raise ValueError(f"{op}: {who}needs a list of size={self.size()} {what} tensors, got "
+                             f"{[len(x) for x in lists]}")
+        return [check_device(op, t) for t in lists[0]]
+
     @staticmethod
     def _one(op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         if len(tensors) != 1:
@@ -272,10 +281,7 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         out = self._one("reduce_scatter", output_tensors)
-        if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
-            raise ValueError(f"reduce_scatter: needs a list of size={self.size()} input tensors, got "
-                             f"{[len(x) for x in input_tensors]}")
-        chunks = [check_device("reduce_scatter", t) for t in input_tensors[0]]
+        chunks = self._per_rank("reduce_scatter", input_tensors, "input")
         check_same_dtype("reduce_scatter", [out, *chunks])
         check_output("reduce_scatter", "output", out)
         check_numel("reduce_scatter", "input_list[rank]", chunks[self.rank()], out.numel())

@@ -22,16 +22,14 @@ from tpudist.process_group.work import Work
 
 
 class DataMovement:
-    """Mixed into ProcessGroupTPU: uses its ``_submit``, ``_enqueue``, ``_run_program``, ``_key``."""
+    """Mixed into ProcessGroupTPU: uses its ``_submit``, ``_enqueue``, ``_run_program``, ``_key``,
+    ``_one`` and ``_per_rank``."""
 
     # -- data movement (raw bytes) ----------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts or c10d.AllgatherOptions()
         inp = self._one("all_gather", input_tensors)
-        if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
-            raise ValueError(f"all_gather: needs a list of size={self.size()} output tensors, got "
-                             f"{[len(x) for x in output_tensors]}")
-        outs = [check_device("all_gather", t) for t in output_tensors[0]]
+        outs = self._per_rank("all_gather", output_tensors, "output")
         check_same_dtype("all_gather", [inp, *outs])
         check_outputs("all_gather", "output_list", outs)
         check_numel("all_gather", f"output_list[{self.rank()}]", outs[self.rank()], inp.numel())
@@ -111,9 +109,7 @@ class DataMovement:
         root = self._check_rank("gather", "dst", opts.rootRank)
         inp = self._one("gather", input_tensors)
         if self.rank() == root:
-            if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
-                raise ValueError(f"gather: dst needs a list of size={self.size()} output tensors")
-            outs = [check_device("gather", t) for t in output_tensors[0]]
+            outs = self._per_rank("gather", output_tensors, "output", who="dst ")
             check_same_dtype("gather", [inp, *outs])
             check_outputs("gather", "gather_list", outs)
             for t in outs:
@@ -145,9 +141,7 @@ class DataMovement:
         width = tz.nbytes(out)
         unit = tz.byte_unit(width)
         if self.rank() == root:
-            if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
-                raise ValueError(f"scatter: src needs a list of size={self.size()} input tensors")
-            chunks = [check_device("scatter", t) for t in input_tensors[0]]
+            chunks = self._per_rank("scatter", input_tensors, "input", who="src ")
             check_same_dtype("scatter", [out, *chunks])
             for t in chunks:
                 check_numel("scatter", "input", t, out.numel())
