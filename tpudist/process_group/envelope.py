@@ -18,7 +18,7 @@ Why every program starts with the same fixed-shape exchange:
   latency of small collectives (the 4-byte all_reduce of a loss or a norm).
 
 What a row carries per op (``n`` = group size; ``block`` is one rank's input as the op's lowering
-sees it, see :mod:`tpudist.process_group.programs`):
+sees it, see :mod:`tpudist.process_group.lowerings`):
 
     all_reduce, all_gather, broadcast, permute: every row carries the whole block
     reduce_scatter, all_to_all, scatter:        row j carries block[j] (what rank j needs)
@@ -111,8 +111,9 @@ def fingerprints(rows: np.ndarray) -> np.ndarray:
 def finish(plan: Plan, rows: np.ndarray) -> np.ndarray:
     """This rank's result from the rows it received (row r came from group rank r).
 
-    Same result as the op's lowering (:mod:`tpudist.process_group.programs`): folds run in rank
-    order, 16-bit floats are summed in float32.
+    The same reduction as the op's lowering (:mod:`tpudist.process_group.lowerings`), 16-bit floats
+    summed in float32; folds run in rank order here, so float sums may differ from the larger
+    ops' direct lowerings (which fold their own chunk first) in the last bit.
     """
     key, n = plan.key, len(plan.key.group)
     if key.op == "barrier":

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from tpudist.process_group.tensors import padded
+
 if TYPE_CHECKING:
     from tpudist.process_group.programs import ProgramKey
 
@@ -121,8 +123,7 @@ def _lower_all_reduce(key: ProgramKey, me: int) -> Lowering:
     def split(block):
         flat = block.reshape(-1)
         pieces = [flat[j * width:(j + 1) * width] for j in ((me + k) % n for k in range(n))]
-        return [p if p.shape[0] == width else np.concatenate([p, np.zeros(width - p.shape[0], p.dtype)])
-                for p in pieces]
+        return [padded(p, width) for p in pieces]
 
     def body(own, *pieces):
         total = _fold([own, *_to_peers(pieces, n)], key)
