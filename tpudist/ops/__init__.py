@@ -1,0 +1,22 @@
+"""The aten -> JAX lowering table, shared by the "tpu" device, the compile backend and the kernels.
+
+    from tpudist.ops import call
+    with jax.enable_x64(True):
+        y = call(torch.ops.aten.addmm.default, bias, x, w)   # jax.Arrays in, jax.Arrays out
+
+One small function per aten op overload, registered with ``@lowers(...)`` (see ``registry``); ops
+without a lowering run torch's decomposition through the table (see ``interpret``). No torch device
+state lives here: the layers above decide where arrays live and when programs are compiled.
+"""
+
+from tpudist.ops import lowerings as _lowerings  # noqa: F401  (registers the table)
+from tpudist.ops.dtypes import to_jax_dtype, to_torch_dtype
+from tpudist.ops.interpret import JaxMode, JaxValue, UnsupportedOp, call, decomposition_for, expected_outputs
+from tpudist.ops.registry import functional_of, lowered_ops, lowering_for, lowers
+from tpudist.ops.rng import KeySource, keys, next_key
+
+__all__ = [
+    "JaxMode", "JaxValue", "KeySource", "UnsupportedOp", "call", "decomposition_for", "expected_outputs",
+    "functional_of", "keys", "lowered_ops", "lowering_for", "lowers", "next_key", "to_jax_dtype",
+    "to_torch_dtype",
+]

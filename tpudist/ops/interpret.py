@@ -1,0 +1,182 @@
+"""Run one aten op on JAX arrays: its lowering, else a decomposition traced through the table.
+
+``call(op, *args, **kwargs)`` is the single entry point the device, the compile backend and the
+kernels use. Tensor arguments are JAX arrays (or tracers); results are JAX arrays cast to the dtype
+torch gives (its meta kernel says which), so lowerings never re-implement torch's type promotion.
+Run it with 64-bit types on (``with jax.enable_x64(True):``), or int64 tensors become int32.
+
+An op with no lowering is decomposed, if torch has a decomposition for it, by running that Python
+decomposition on ``JaxValue`` tensors (wrappers around JAX values) under ``JaxMode``, a dispatch
+mode that sends every aten op it meets back through ``call``. Inside ``jax.jit`` the decomposition
+traces into the same program, so a decomposed op is still one kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tpudist.ops.dtypes import to_jax_dtype, to_torch_dtype
+from tpudist.ops.registry import lowering_for
+
+aten = torch.ops.aten
+
+
+class UnsupportedOp(NotImplementedError):
+    """An aten op has neither a lowering nor a decomposition that reaches lowered ops."""
+
+    def __init__(self, op, detail: str = ""):
+        self.op = op
+        super().__init__(f"aten op {op} has no JAX lowering in tpudist.ops{detail}; add one with "
+                         f"@tpudist.ops.lowers({_qualname(op)}) (a function of jax.Arrays)")
+
+
+def _qualname(op) -> str:
+    namespace, name = op._schema.name.split("::")  # noqa: SLF001
+    return f"torch.ops.{namespace}.{name}.{op._overloadname}"  # noqa: SLF001
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, jax.core.Tracer))
+
+
+def _meta(x):
+    if _is_array(x):
+        return torch.empty(x.shape, dtype=to_torch_dtype(x.dtype), device="meta")
+    return x
+
+
+def expected_outputs(op, args, kwargs):
+    """Torch's meta result of ``op`` on arguments shaped like these arrays, or None if it has none."""
+    try:
+        return op(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+    except (NotImplementedError, RuntimeError, TypeError, torch._subclasses.fake_tensor.DataDependentOutputException):  # noqa: SLF001
+        # No meta kernel, or an output shape that depends on the data (nonzero, unique ...).
+        return None
+
+
+def _cast_like(result, meta, op):
+    if isinstance(meta, torch.Tensor):
+        if not _is_array(result):
+            result = jnp.asarray(result)
+        if tuple(result.shape) != tuple(meta.shape):
+            raise AssertionError(f"lowering of {op} returned shape {tuple(result.shape)}, torch gives "
+                                 f"{tuple(meta.shape)}")
+        want = to_jax_dtype(meta.dtype)
+        return result if result.dtype == want else result.astype(want)
+    if isinstance(meta, (tuple, list)) and isinstance(result, (tuple, list)) and len(meta) == len(result):
+        return type(result)(_cast_like(r, m, op) for r, m in zip(result, meta))
+    return result
+
+
+@functools.cache
+def _decompositions() -> dict:
+    from torch._decomp import core_aten_decompositions, decomposition_table
+
+    table = dict(decomposition_table)
+    table.update(core_aten_decompositions())
+    return table
+
+
+def decomposition_for(op):
+    """torch's decomposition of ``op`` (core ATen's first), or its CompositeImplicit kernel, or None."""
+    decomp = _decompositions().get(op)
+    if decomp is not None:
+        return decomp
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):  # noqa: SLF001
+        return op.decompose
+    return None
+
+
+def call(op, *args, **kwargs):
+    """``op`` on JAX arrays: its lowering, else its decomposition; results in torch's dtypes."""
+    meta = expected_outputs(op, args, kwargs)
+    lowering = lowering_for(op)
+    if lowering is not None:
+        result = lowering(*args, **kwargs)
+    else:
+        decomp = decomposition_for(op)
+        if decomp is None:
+            raise UnsupportedOp(op)
+        result = run_decomposition(decomp, args, kwargs)
+    return result if meta is None else _cast_like(result, meta, op)
+
+
+# -- decompositions on JAX values -------------------------------------------------------------------
+
+
+class JaxValue(torch.Tensor):
+    """A tensor that stands for a JAX value while a decomposition runs (shape and dtype only)."""
+
+    value: object
+
+    @staticmethod
+    def __new__(cls, value):
+        dtype = to_torch_dtype(value.dtype)
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(value.shape), dtype=dtype, device="cpu")  # noqa: SLF001
+        t.value = value
+        return t
+
+    def __repr__(self):
+        return f"JaxValue({self.value!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        with JaxMode():
+            return func(*args, **(kwargs or {}))
+
+
+def _unwrap(x):
+    if isinstance(x, JaxValue):
+        return x.value
+    if isinstance(x, torch.Tensor):
+        # A constant the decomposition made outside the mode (e.g. a cached CPU tensor).
+        return jnp.asarray(np.asarray(x.detach().resolve_conj().resolve_neg().cpu().numpy()))
+    return x
+
+
+def _wrap(x):
+    return JaxValue(x) if _is_array(x) else x
+
+
+class JaxMode(TorchDispatchMode):
+    """Every aten op inside runs through ``call`` on the JAX values of its ``JaxValue`` arguments."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.lift_fresh.default, aten.alias.default):
+            return args[0] if isinstance(args[0], JaxValue) else _wrap(_unwrap(args[0]))
+        if torch.Tag.inplace in func.tags or func._schema.is_mutable:  # noqa: SLF001
+            return _mutate(func, args, kwargs)
+        return tree_map(_wrap, call(func, *tree_map(_unwrap, args), **tree_map(_unwrap, kwargs)))
+
+
+def _mutate(func, args, kwargs):
+    """An in-place or out= op inside a decomposition: the functional op, then rebind the targets."""
+    from tpudist.ops.registry import functional_of
+
+    functional = functional_of(func)
+    if functional is None:
+        raise UnsupportedOp(func, " (a mutating op with no functional twin)")
+    out_names = [a.name for a in func._schema.arguments if a.is_out]  # noqa: SLF001
+    targets = [kwargs.pop(n) for n in out_names] if out_names else [args[0]]
+    result = call(functional, *tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    for target, value in zip(targets, results):
+        if not isinstance(target, JaxValue):
+            raise UnsupportedOp(func, " (a decomposition wrote into a tensor that is not a JaxValue)")
+        target.value = value.astype(target.value.dtype)  # a mutation keeps the target's dtype
+    return targets[0] if len(targets) == 1 else tuple(targets)
+
+
+def run_decomposition(decomp, args, kwargs):
+    """Run a torch decomposition on JAX arrays through ``JaxMode``; JAX results back."""
+    with JaxMode():
+        out = decomp(*tree_map(_wrap, args), **tree_map(_wrap, kwargs))
+    return tree_map(_unwrap, out)

@@ -1,0 +1,81 @@
+"""The aten -> JAX lowering table: one small function per aten op overload.
+
+A lowering is a pure function of JAX arrays and Python values that mirrors its aten schema: tensor
+arguments arrive as ``jax.Array`` (lists of tensors as lists, optional tensors as ``None``), every
+other argument as the Python value aten gets, and it returns what the schema returns (an array, or a
+tuple of arrays). Lowerings do not worry about torch's type promotion: ``tpudist.ops.call`` casts each
+result to the dtype torch's meta kernel gives, in one place.
+
+    @lowers(aten.add.Tensor, aten.add.Scalar)
+    def add(x, y, *, alpha=1):
+        return x + y * alpha if alpha != 1 else x + y
+
+Register functional overloads only: in-place (``add_``) and ``out=`` variants are the caller's
+business (``functional_of`` finds the functional twin).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Lowering = Callable[..., object]
+
+_TABLE: dict[torch._ops.OpOverload, Lowering] = {}  # noqa: SLF001
+
+
+def _overloads(op) -> list:
+    if isinstance(op, torch._ops.OpOverloadPacket):  # noqa: SLF001
+        return [getattr(op, name) for name in op.overloads()]
+    if isinstance(op, torch._ops.OpOverload):  # noqa: SLF001
+        return [op]
+    raise TypeError(f"op={op!r} is not an aten OpOverload or OpOverloadPacket; pass e.g. torch.ops.aten.add.Tensor")
+
+
+def lowers(*ops) -> Callable[[Lowering], Lowering]:
+    """Register the decorated function as the lowering of ``ops`` (overloads, or packets: all overloads).
+
+    A second registration of the same overload replaces the first (user kernels may override ours).
+    """
+
+    def register(fn: Lowering) -> Lowering:
+        for op in ops:
+            for overload in _overloads(op):
+                _TABLE[overload] = fn
+        return fn
+
+    return register
+
+
+def lowering_for(op) -> Lowering | None:
+    """The lowering registered for this overload, or None."""
+    return _TABLE.get(op)
+
+
+def lowered_ops() -> list:
+    """Every overload with a lowering, sorted by name (for tests and coverage reports)."""
+    return sorted(_TABLE, key=str)
+
+
+def functional_of(op):
+    """The functional overload behind an in-place (``add_.Tensor``) or ``out=`` overload, or None.
+
+    ``aten.add_.Tensor`` -> ``aten.add.Tensor``; ``aten.add.out`` -> ``aten.add.Tensor`` (the overload
+    whose schema equals the out overload's minus its out arguments).
+    """
+    packet_name = op._schema.name.split("::")[1]  # noqa: SLF001
+    if torch.Tag.inplace in op.tags or (packet_name.endswith("_") and not packet_name.startswith("_")):
+        base = getattr(torch.ops.aten, packet_name.rstrip("_"), None)
+        if base is None:
+            return None
+        return getattr(base, op._overloadname, None)  # noqa: SLF001
+    if op._schema.is_mutable and any(a.is_out for a in op._schema.arguments):  # noqa: SLF001
+        packet = getattr(torch.ops.aten, packet_name)
+        want = [a.name for a in op._schema.arguments if not a.is_out]  # noqa: SLF001
+        for name in packet.overloads():
+            candidate = getattr(packet, name)
+            schema = candidate._schema  # noqa: SLF001
+            if not schema.is_mutable and [a.name for a in schema.arguments] == want:
+                return candidate
+    return None
