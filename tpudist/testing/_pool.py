@@ -33,7 +33,18 @@ class RankError(RuntimeError):
 
 
 class RankTimeout(RuntimeError):
-    """Some ranks did not answer within the timeout; the pool killed every rank."""
+    """Some ranks did not answer within the timeout; the pool killed every rank.
+
+    ``missing``: the ranks that did not answer; ``failures``: the traceback of each rank that raised
+    before the timeout (a rank that fails often leaves its peers waiting in a collective).
+    """
+
+    def __init__(self, message: str, missing: list[int] | None = None,
+                 failures: dict[int, str] | None = None):
+        self.missing = list(missing or [])
+        self.failures = dict(failures or {})
+        text = "".join(f"\n--- rank {r} raised ---\n{tb}" for r, tb in sorted(self.failures.items()))
+        super().__init__(message + text)
 
 
 def free_port() -> int:
@@ -176,8 +187,10 @@ class RankPool:
             if not ready:
                 missing = sorted(pending.values())
                 self.close(graceful=False)
+                failed = {r: v for r, (status, v) in results.items() if status == "err"}
                 raise RankTimeout(f"ranks {missing} did not finish {message[0]!r} within {timeout}s "
-                                  f"(answered: {sorted(results)}); every rank was killed")
+                                  f"(answered: {sorted(results)}); every rank was killed",
+                                  missing, failed)
             for conn in ready:
                 rank = pending.pop(conn)
                 try:
