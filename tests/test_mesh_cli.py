@@ -65,8 +65,10 @@ def test_cli_describe_mesh(capsys):
 # name, argv, exact stderr
 CLI_ERRORS = [
     ("bad_shape", ["describe", "v5p:2x2x6"],
-     "tpudist describe: error: shape=(2, 2, 6) is not a v5p slice: each size must be at most 4 or "
-     "a multiple of 4, and 6 is neither; pass 4 or 8 instead.\n"),
+     "tpudist describe: error: shape=(2, 2, 6) is not a v5p slice: v5p slices are 2x2x1, 2x2x2, "
+     "2x2x4, 2x4x4 (any order) or whole 4x4x4 cubes, every size a multiple of 4 (4x4x4, 4x4x8, "
+     "...), up to 8960 chips; 1x1x1 and 2x1x1 (any order) are one or two chips of a host. The "
+     "nearest are 2x2x4 (16 chips) or 2x4x4 (32 chips): pass one of these, e.g. 'v5p:2x4x4'.\n"),
     ("mesh_needs_split", ["describe", "v4:4x4x4", "--mesh", "8x8"],
      "tpudist describe: error: mesh_shape=(8, 8) does not fit topology v4:4x4x4: each mesh axis "
      "must be a product of physical axes; pass allow_split_physical_axes=True to split one.\n"),

@@ -42,11 +42,31 @@ def test_constructor_canonicalizes_once():
 
 
 PUBLISHED = "1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16"
+# Google offers v4 / v5p / TPU7x slices 2x2x1, 2x2x2, 2x2x4, 2x4x4 and whole cubes (Cloud TPU v5p
+# and TPU7x pages, accelerator types v5p-8 .. v5p-64 and up).
+RULE_3D = ("{g} slices are 2x2x1, 2x2x2, 2x2x4, 2x4x4 (any order) or whole 4x4x4 cubes, every size a "
+           "multiple of 4 (4x4x4, 4x4x8, ...), up to {chips} chips; 1x1x1 and 2x1x1 (any order) are "
+           "one or two chips of a host. ")
 # name, text, exact message
 BAD_TOPOLOGY_TABLE = [
     ("size_not_cube_multiple", "v5p:2x2x6",
-     "shape=(2, 2, 6) is not a v5p slice: each size must be at most 4 or a multiple of 4, and 6 is "
-     "neither; pass 4 or 8 instead."),
+     "shape=(2, 2, 6) is not a v5p slice: " + RULE_3D.format(g="v5p", chips=8960)
+     + "The nearest are 2x2x4 (16 chips) or 2x4x4 (32 chips): pass one of these, e.g. 'v5p:2x4x4'."),
+    # The issue's example: every size <= 4 used to pass; 27 chips lie between 2x2x4 and 2x4x4.
+    ("sizes_up_to_4_not_offered", "v4:3x3x3",
+     "shape=(3, 3, 3) is not a v4 slice: " + RULE_3D.format(g="v4", chips=4096)
+     + "The nearest are 2x2x4 (16 chips) or 2x4x4 (32 chips): pass one of these, e.g. 'v4:2x4x4'."),
+    # 1x4x4 has 16 chips, as many as 2x2x4 (which it is the nearest to in sizes too).
+    ("flat_4x4", "7x:1x4x4",
+     "shape=(1, 4, 4) is not a 7x slice: " + RULE_3D.format(g="7x", chips=9216)
+     + "The nearest are 2x2x2 (8 chips) or 2x2x4 (16 chips): pass one of these, e.g. '7x:2x2x4'."),
+    # Three chips is not a part of one host (2x2x1) Google's runtime exposes; nearest kept in order.
+    ("three_in_a_row", "v5p:3x1x1",
+     "shape=(3, 1, 1) is not a v5p slice: " + RULE_3D.format(g="v5p", chips=8960)
+     + "The nearest are 2x1x1 (2 chips) or 2x1x2 (4 chips): pass one of these, e.g. 'v5p:2x1x2'."),
+    ("half_cube", "v5p:4x4x6",
+     "shape=(4, 4, 6) is not a v5p slice: " + RULE_3D.format(g="v5p", chips=8960)
+     + "The nearest are 4x4x4 (64 chips) or 4x4x8 (128 chips): pass one of these, e.g. 'v5p:4x4x8'."),
     ("3d_given_2_axes", "v5p:4x4",
      "shape=(4, 4) has 2 axes but v5p slices are 3-D: pass 3 sizes, e.g. 'v5p:2x2x1'."),
     ("2d_given_3_axes", "v6e:4x4x1",
@@ -163,7 +183,7 @@ def test_host_numbering_matches_jax_mock_tpu_devices(text):
 
 
 @pytest.mark.parametrize("text", ["v4:4x4x4", "v5p:2x2x1", "v5e:8x16", "v6e:2x4", "7x:4x4x8",
-                                  "v4:3x2x2"])
+                                  "v4:1x2x2", "v5p:4x2x4", "v5p:2x1x1"])
 def test_coords_rank_round_trip_every_rank(text):
     topology = Topology.parse(text)
     all_coords = [topology.coords(rank) for rank in range(topology.num_chips)]
@@ -171,12 +191,33 @@ def test_coords_rank_round_trip_every_rank(text):
     assert [topology.rank_of(c) for c in all_coords] == list(range(topology.num_chips))
 
 
-def test_partial_hosts_at_the_edge():
-    # 3 chips along x: hosts are 2x2x1 blocks, so the second block along x holds one column.
-    topology = Topology.parse("v4:3x2x1")
-    assert topology.num_hosts == 2
-    assert [topology.host_of(r) for r in range(6)] == [0, 0, 0, 0, 1, 1]
-    assert topology.coords(4) == (2, 0, 0) and topology.coords(5) == (2, 1, 0)
+# Every shape Google offers below a cube, in every axis order, and whole cubes, are accepted; any
+# other shape of at most 4 chips per axis (what was accepted before issue 12) is refused.
+ACCEPTED_3D = {(1, 2, 2), (2, 2, 2), (2, 2, 4), (2, 4, 4), (1, 1, 1), (1, 1, 2)}
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5p", "7x"])
+def test_3d_shapes_up_to_a_cube_are_exactly_google_offers(generation):
+    for shape in itertools.product(range(1, 5), repeat=3):
+        expected = tuple(sorted(shape)) in ACCEPTED_3D or shape == (4, 4, 4)
+        try:
+            Topology(generation, shape)
+            accepted = True
+        except TopologyError as e:
+            accepted = False
+            assert "The nearest are" in str(e)
+        assert accepted == expected, (generation, shape)
+    for shape in [(4, 4, 8), (8, 4, 12), (16, 16, 16), (4, 8, 8)]:
+        assert Topology(generation, shape).shape == shape
+
+
+def test_no_partial_hosts_on_valid_slices():
+    # Every valid 3-D slice is made of whole 2x2x1 hosts (or is part of one host).
+    for text in ["v5p:2x2x1", "v5p:1x2x2", "v5p:2x2x4", "v5p:4x4x4", "v5p:2x1x1"]:
+        topology = Topology.parse(text)
+        counts = [sum(1 for r in range(topology.num_chips) if topology.host_of(r) == h)
+                  for h in range(topology.num_hosts)]
+        assert len(set(counts)) == 1 and counts[0] == topology.chips_per_host, text
 
 
 # name, topology, coords_a, coords_b, hops (shortest path on the torus, wrap links only if present)
@@ -246,17 +287,18 @@ def test_bad_rank_and_coords_messages(name, call, message):
 
 
 # name, num_chips, generation, expected. 3-D: Google's published slices for 4, 8, 16 (v4-32 is
-# 2x2x4), 32, 64, 128 chips; 1 and 2 as the issue asks (2x1x1: chips fill x first, like a host);
-# 3 and 12 fit exactly (sizes up to 4 are valid); 5 has no valid shape, so 6 chips. 2-D: the
+# 2x2x4), 32, 64, 128 chips; 1 and 2 chips are part of one host (2x1x1: chips fill x first, like a
+# host); 3, 5 and 12 chips have no slice of their own, so the next one up holds them. 2-D: the
 # smallest of Google's published shapes, x the longer axis (the scaling book's 4x2 host tray).
 SMALLEST_FOR_TABLE = [
     ("one", 1, "v5p", "v5p:1x1x1"),
     ("two", 2, "v5p", "v5p:2x1x1"),
-    ("three_exact", 3, "v5p", "v5p:3x1x1"),
+    ("three_in_a_host", 3, "v5p", "v5p:2x2x1"),
     ("host", 4, "v5p", "v5p:2x2x1"),
-    ("five_needs_six", 5, "v5p", "v5p:3x2x1"),
+    ("five_needs_eight", 5, "v5p", "v5p:2x2x2"),
     ("two_hosts", 8, "v5p", "v5p:2x2x2"),
-    ("three_hosts", 12, "v4", "v4:2x2x3"),
+    ("twelve_needs_sixteen", 12, "v4", "v4:2x2x4"),
+    ("between_cubes", 100, "7x", "7x:4x4x8"),
     ("v4_32", 16, "v4", "v4:2x2x4"),
     ("v5p_64", 32, "v5p", "v5p:2x4x4"),
     ("cube", 64, "v5p", "v5p:4x4x4"),

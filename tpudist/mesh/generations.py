@@ -64,6 +64,14 @@ TPU7X_PEAK_BF16_FLOPS = 2.3e15
 # [GCP] v5e and v6e: the supported 2-D slice shapes (names as Google writes them).
 PUBLISHED_2D_SHAPES = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
 
+# [GCP] v4 / v5p / TPU7x: the 3-D slice shapes below a full 4x4x4 cube that Google offers (v5p-8
+# 2x2x1, v5p-16 2x2x2, v5p-32 2x2x4, v5p-64 2x4x4; v4 and TPU7x the same), in any axis order;
+# larger slices are whole cubes: every size a multiple of 4 ([BOOK] "4x4x4 or 4x4x8 ... wraparounds").
+PUBLISHED_3D_SUB_CUBE_SHAPES = ((1, 2, 2), (2, 2, 2), (2, 2, 4), (2, 4, 4))
+# One or two chips of a single 2x2x1 host (sorted sizes): not a slice Google sells, but what a
+# process sees when it uses only some chips of a host; the only topology 1- and 2-rank worlds have.
+PART_OF_HOST_3D_SHAPES = ((1, 1, 1), (1, 1, 2))
+
 # [BOOK] host size 2x2x1 for v4p and v5p ([GCP] v5p: 2x2x1 is 1 host, 4x4x4 is 16 hosts); [BOOK]
 # TPU7x host size 2x2x1.
 HOST_SHAPE_3D = (2, 2, 1)

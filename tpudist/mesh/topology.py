@@ -23,7 +23,8 @@ from tpudist.mesh.cost import (
     PHYSICAL_AXIS_NAMES, CollectiveCost, RingAxis, estimate_collective)
 from tpudist.mesh.generations import (
     CUBE_SIZE, GENERATION_NAMES, GENERATIONS, HOST_SHAPE_2D_MULTI_HOST, HOST_SHAPE_3D,
-    PUBLISHED_2D_SHAPES, SINGLE_HOST_MAX_CHIPS_2D, WRAP_AXIS_SIZE_2D, Generation)
+    PART_OF_HOST_3D_SHAPES, PUBLISHED_2D_SHAPES, PUBLISHED_3D_SUB_CUBE_SHAPES,
+    SINGLE_HOST_MAX_CHIPS_2D, WRAP_AXIS_SIZE_2D, Generation)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,9 +38,11 @@ _GENERATION_ALIASES = {"tpu7x": "7x", "v7x": "7x"}
 class Topology:
     """A TPU slice: a generation and the number of chips along each physical axis (x, y[, z]).
 
-    Shapes are checked per generation: v4, v5p and 7x slices are 3-D with each size at most 4 or a
-    multiple of 4; v5e and v6e slices are 2-D and one of Google's published shapes (1x1, 2x2, 2x4,
-    4x4, 4x8, 8x8, 8x16, 16x16), in either orientation.
+    Shapes are checked per generation against what Google offers: v4, v5p and 7x slices are 3-D,
+    2x2x1, 2x2x2, 2x2x4 or 2x4x4 (in any axis order) or whole 4x4x4 cubes (every size a multiple
+    of 4), up to a pod; 1x1x1 and 2x1x1 (any order) stand for one or two chips of a single host,
+    the only topology a 1- or 2-rank world has. v5e and v6e slices are 2-D and one of Google's
+    published shapes (1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16), in either orientation.
 
     For 7x each chip has two TensorCores, which JAX shows as two devices (`devices_per_chip == 2`).
     tpudist runs one rank per chip: on hardware that rank's process drives both devices of its chip;
@@ -98,7 +101,8 @@ class Topology:
         Used for the emulated world when TPUDIST_TOPOLOGY is unset. 3-D generations: fewest chips,
         then fewest hosts (2x2x1 each), then whole 4x4x4 cubes (wraparound), then the most
         cube-like, then Google's x <= y <= z naming, then x before y before z: 1 -> 1x1x1,
-        2 -> 2x1x1, 4 -> 2x2x1, 8 -> 2x2x2, 16 -> 2x2x4, 32 -> 2x4x4, 64 -> 4x4x4. 2-D generations:
+        2 -> 2x1x1 (part of one host), 3-4 -> 2x2x1, 5-8 -> 2x2x2, 9-16 -> 2x2x4, 17-32 -> 2x4x4,
+        33-64 -> 4x4x4, 65-128 -> 4x4x8. 2-D generations:
         the smallest published shape, x the longer axis (the 8-chip host tray is 4 chips along x:
         the scaling book's host size 4x2, and the tray ring order of JAX's mesh_utils assumes it):
         8 -> 4x2.
@@ -122,7 +126,7 @@ class Topology:
             fitting = [s for s in PUBLISHED_2D_SHAPES if math.prod(s) >= num_chips]
             return cls(info.name, tuple(sorted(min(fitting, key=math.prod), reverse=True)))
         for total in range(num_chips, info.pod_chips + 1):
-            candidates = [shape for shape in _factorizations_3d(total) if _valid_3d_size(shape)]
+            candidates = [shape for shape in _factorizations_3d(total) if _valid_3d_shape(shape)]
             if candidates:
                 return cls(info.name, min(candidates, key=_smallest_for_preference))
         raise AssertionError(f"no {info.name} slice for {num_chips} chips")  # pod_chips is one
@@ -391,12 +395,8 @@ def _check_shape(info: Generation, shape: tuple[int, ...]) -> None:
             f"shape={shape} has a size below 1: every axis holds at least one chip; pass positive "
             "sizes.")
     if info.num_dims == 3:
-        for size in shape:
-            if not _valid_3d_size((size,)):
-                below, above = size // CUBE_SIZE * CUBE_SIZE, -(-size // CUBE_SIZE) * CUBE_SIZE
-                raise TopologyError(
-                    f"shape={shape} is not a {info.name} slice: each size must be at most 4 or a "
-                    f"multiple of 4, and {size} is neither; pass {below} or {above} instead.")
+        if not _valid_3d_shape(shape):
+            _refuse_3d(info, shape)
     elif tuple(sorted(shape)) not in PUBLISHED_2D_SHAPES:
         published = ", ".join("x".join(map(str, s)) for s in PUBLISHED_2D_SHAPES)
         fitting = [s for s in PUBLISHED_2D_SHAPES if math.prod(s) >= math.prod(shape)]
@@ -410,8 +410,59 @@ def _check_shape(info: Generation, shape: tuple[int, ...]) -> None:
             f"({info.pod_chips}): a slice lives in one pod; pass a smaller shape.")
 
 
-def _valid_3d_size(shape: Sequence[int]) -> bool:
-    return all(size <= CUBE_SIZE or size % CUBE_SIZE == 0 for size in shape)
+def _refuse_3d(info: Generation, shape: tuple[int, ...]) -> None:
+    nearest = _nearest_3d(info, shape)
+    names = " or ".join(f"{_name(s)} ({math.prod(s)} chips)" for s in nearest)
+    raise TopologyError(
+        f"shape={shape} is not a {info.name} slice: {info.name} slices are 2x2x1, 2x2x2, 2x2x4, "
+        f"2x4x4 (any order) or whole 4x4x4 cubes, every size a multiple of 4 (4x4x4, 4x4x8, ...), "
+        f"up to {info.pod_chips} chips; 1x1x1 and 2x1x1 (any order) are one or two chips of a host. "
+        f"The nearest are {names}: pass one of these, e.g. '{info.name}:{_name(nearest[-1])}'.")
+
+
+def _valid_3d_shape(shape: Sequence[int]) -> bool:
+    canonical = tuple(sorted(shape))
+    return (canonical in PUBLISHED_3D_SUB_CUBE_SHAPES or canonical in PART_OF_HOST_3D_SHAPES
+            or all(size % CUBE_SIZE == 0 for size in shape))
+
+
+def _name(shape: Sequence[int]) -> str:
+    return "x".join(map(str, shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _nearest_3d(info: Generation, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The valid slices closest to ``shape`` in chip count: the largest with fewer chips and the
+    smallest with at least as many (ties: closest sizes), each in ``shape``'s axis order."""
+    order = sorted(range(3), key=lambda axis: shape[axis])  # rank of each axis by its size
+
+    def oriented(canonical: tuple[int, ...]) -> tuple[int, ...]:
+        out = [0, 0, 0]
+        for size, axis in zip(canonical, order):
+            out[axis] = size
+        return tuple(out)
+
+    num_cubes_max = info.pod_chips // CUBE_SIZE**3
+    cubes = [(a * CUBE_SIZE, b * CUBE_SIZE, c * CUBE_SIZE)
+             for a in range(1, num_cubes_max + 1) for b in range(a, num_cubes_max // a + 1)
+             for c in range(b, num_cubes_max // (a * b) + 1)]
+    valid = [s for s in (*PART_OF_HOST_3D_SHAPES, *PUBLISHED_3D_SUB_CUBE_SHAPES, *cubes)
+             if math.prod(s) <= info.pod_chips]
+    want, sizes = math.prod(shape), sorted(shape)
+
+    def closeness(s):
+        return sum(abs(a - b) for a, b in zip(s, sizes))
+
+    below = [s for s in valid if math.prod(s) < want]
+    above = [s for s in valid if math.prod(s) >= want]
+    picks = []
+    if below:
+        most = max(math.prod(s) for s in below)
+        picks.append(min((s for s in below if math.prod(s) == most), key=closeness))
+    if above:
+        least = min(math.prod(s) for s in above)
+        picks.append(min((s for s in above if math.prod(s) == least), key=closeness))
+    return tuple(oriented(s) for s in picks)
 
 
 def _factorizations_3d(total: int) -> Iterator[tuple[int, int, int]]:

@@ -75,7 +75,10 @@ def _platform() -> str:
 
 
 def topology_for(world_size: int) -> Any:
-    """The slice named by ``TPUDIST_TOPOLOGY``, or the smallest v5p slice holding the world."""
+    """The slice named by ``TPUDIST_TOPOLOGY``, or the smallest v5p slice holding the world.
+
+    Without ``TPUDIST_TOPOLOGY``, a world of a size no slice has (3 ranks: 2x2x1; 5: 2x2x2) runs
+    on the first chips of the smallest slice that holds it, rank r on chip r."""
     from tpudist.mesh import Topology
 
     text = os.environ.get(_TOPOLOGY_ENV)
