@@ -1,0 +1,14 @@
+"""``torch.compile(model, backend="tpu")``: Dynamo graphs as XLA programs through ``tpudist.ops``.
+
+    model = torch.compile(model, backend="tpu")   # found through an entry point: no import needed
+
+Dynamo captures the step, AOTAutograd turns it into Core ATen forward and backward graphs (min-cut
+rematerialization), and each graph is interpreted through the shared aten -> JAX table, traced once
+by ``jax.jit`` and compiled ahead of time. See ``backend`` for options and ``program`` for the runtime.
+"""
+
+from tpudist.compile.backend import Options, backend, missing_ops
+from tpudist.compile.errors import MissingOpError, UnsupportedGraph
+from tpudist.compile.program import STATS, clear_cache
+
+__all__ = ["MissingOpError", "Options", "STATS", "UnsupportedGraph", "backend", "clear_cache", "missing_ops"]

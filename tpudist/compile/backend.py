@@ -1,0 +1,211 @@
+"""The Dynamo backend: Dynamo graph -> AOTAutograd (Core ATen, min-cut) -> one XLA program per graph.
+
+``backend(gm, example_inputs, options=None)`` is what ``torch.compile(model, backend="tpu")`` calls.
+Options (``torch.compile(..., options={...})``):
+
+- ``on_missing_op``: ``"raise"`` (default) raises :class:`MissingOpError` naming the op and the user
+  line; ``"graph_break"`` splits the graph around the torch code that needs the op and runs that code
+  eagerly in torch (with a warning), compiling the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from tpudist.compile.errors import MissingOpError, UnsupportedGraph, dynamo_sources, user_line
+
+_ON_MISSING = ("raise", "graph_break")
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    on_missing_op: str = "raise"
+
+    @classmethod
+    def from_dict(cls, options: dict | None) -> "Options":
+        options = dict(options or {})
+        unknown = sorted(set(options) - {"on_missing_op"})
+        if unknown:
+            raise ValueError(f"torch.compile(backend='tpu') options {unknown} are not known; "
+                             "the backend takes: on_missing_op")
+        value = options.get("on_missing_op", "raise")
+        if value not in _ON_MISSING:
+            raise ValueError(f"on_missing_op={value!r} must be one of {_ON_MISSING}")
+        return cls(on_missing_op=value)
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
+            mode: str | None = None):
+    """The ``torch.compile`` backend: a callable running ``gm`` as XLA programs (forward, backward)."""
+    opts = Options.from_dict(options)
+    if mode not in (None, "default"):
+        warnings.warn(f"torch.compile(backend='tpu') ignores mode={mode!r}", stacklevel=2)
+    check_static(gm, example_inputs)
+    from tpudist.compile import collectives
+
+    graph_collectives = collectives.for_graph(gm)
+    try:
+        return _aot(gm, example_inputs, graph_collectives)
+    except MissingOpError as e:
+        if opts.on_missing_op != "graph_break":
+            raise
+        return _split(gm, example_inputs, e, opts)
+
+
+def check_static(gm: torch.fx.GraphModule, example_inputs: list) -> None:
+    """ValueError naming the first dynamic input dimension: the backend compiles static shapes."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, x in zip(placeholders, example_inputs):
+        source = _source_name(node)
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise UnsupportedGraph(
+                f"torch.compile(backend='tpu') needs static shapes: input {source} is a symbolic size ({x}). "
+                "Pass dynamic=False to torch.compile; for varying lengths pad to a few fixed sizes "
+                "(tpudist.device.buckets picks them) so each compiles once")
+        if isinstance(x, torch.Tensor):
+            for dim, size in enumerate(x.shape):
+                if isinstance(size, torch.SymInt) and not _is_concrete(size):
+                    raise UnsupportedGraph(
+                        f"torch.compile(backend='tpu') needs static shapes: input {source} dim {dim} is dynamic "
+                        f"(size={size}, shape={tuple(x.shape)}); Dynamo made it dynamic after seeing a second "
+                        "size. Pass dynamic=False to torch.compile (one program per size), or pad that dim to "
+                        "a few fixed lengths (buckets: tpudist.device.buckets, or padding with targets=-100)")
+
+
+def _is_concrete(size) -> bool:
+    try:
+        return size.node.is_constant() or size.node.maybe_as_int() is not None
+    except AttributeError:
+        return False
+
+
+def _source_name(node: torch.fx.Node) -> str:
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    return source.name if source is not None and hasattr(source, "name") else node.name
+
+
+# -- AOTAutograd ------------------------------------------------------------------------------------
+def missing_ops(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """Nodes whose op has neither a lowering nor a torch decomposition (checked before tracing)."""
+    from tpudist.ops import decomposition_for, lowering_for
+
+    missing = []
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+            continue
+        if target.namespace == "_c10d_functional":
+            continue
+        if lowering_for(target) is None and decomposition_for(target) is None:
+            missing.append(node)
+    return missing
+
+
+def raise_if_missing(graph: torch.fx.Graph) -> None:
+    nodes = missing_ops(graph)
+    if nodes:
+        error = MissingOpError(nodes[0].target, user_line(nodes[0]),
+                               [(n.target, user_line(n)) for n in nodes])
+        error.dynamo_nodes = set().union(*(dynamo_sources(n) for n in nodes))
+        raise error
+
+
+def _partition(joint, joint_inputs, **kwargs):
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    raise_if_missing(joint.graph)  # forward and backward ops, before anything is compiled
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def _compiler(kind: str, graph_collectives):
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list):
+        from tpudist.compile.program import GraphProgram
+
+        raise_if_missing(gm.graph)
+        return GraphProgram(gm, list(example_inputs), name=kind, collectives=graph_collectives)
+
+    return compile_graph
+
+
+@contextlib.contextmanager
+def _math_sdpa():
+    # Core ATen decompositions leave the CPU flash-attention backward in the graph (FACTS.md); the
+    # math backend decomposes attention into matmuls and softmax, which the table lowers.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def _aot(gm: torch.fx.GraphModule, example_inputs: list, graph_collectives):
+    from torch._dynamo.backends.common import aot_autograd
+
+    compiler = aot_autograd(
+        fw_compiler=_compiler("forward", graph_collectives),
+        bw_compiler=_compiler("backward", graph_collectives),
+        inference_compiler=_compiler("inference", graph_collectives),
+        partition_fn=_partition,
+        decompositions=_decompositions(),
+    )
+    with _math_sdpa():  # the joint graph (forward and backward) is traced here
+        return compiler(gm, example_inputs)
+
+
+@functools.cache
+def _decompositions() -> dict:
+    from torch._decomp import core_aten_decompositions
+
+    return core_aten_decompositions()
+
+
+# -- graph_break: split around the code that needs a missing op ------------------------------------
+def _split(gm: torch.fx.GraphModule, example_inputs: list, error: MissingOpError, opts: Options):
+    from torch.fx.passes.split_module import split_module
+
+    eager_names = set(getattr(error, "dynamo_nodes", set()))
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    if not eager_names & {n.name for n in calls}:
+        raise UnsupportedGraph(f"{error}\n(on_missing_op='graph_break' could not tell which torch call needs "
+                               "the op; it cannot split this graph)") from error
+    warnings.warn(f"torch.compile(backend='tpu'): running {sorted(eager_names & {n.name for n in calls})} "
+                  f"eagerly in torch (on_missing_op='graph_break'): {error.ops_and_lines}", stacklevel=3)
+    partition, kinds, current, previous = {}, {}, 0, None
+    for node in calls:
+        eager = node.name in eager_names
+        if previous is not None and eager != previous:
+            current += 1
+        partition[node.name] = current
+        kinds[current] = eager
+        previous = eager
+    split = split_module(gm, None, lambda n: partition[n.name], keep_original_order=True)
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)  # noqa: SLF001
+
+    class _CompileSubmodules(torch.fx.Interpreter):
+        def call_module(self, target, args, kwargs):
+            sub = self.fetch_attr(target)
+            index = int(target.rsplit("_", 1)[1])
+            if not kinds[index]:
+                compiled = backend(sub, list(args), {"on_missing_op": opts.on_missing_op})
+                setattr(self.module, target, _Compiled(compiled))
+            return sub(*args, **kwargs)
+
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        _CompileSubmodules(split).run(*example_inputs)
+    return split
+
+
+class _Compiled(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)

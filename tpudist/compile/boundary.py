@@ -1,0 +1,85 @@
+"""CPU torch tensors <-> JAX arrays at a compiled graph's edge, without copies where layout allows.
+
+Inputs are handed to XLA as numpy views built from the tensor's raw pointer (``__array_interface__``)
+and placed with ``batched_device_put`` (zero-copy on the CPU client when aligned). Never
+``Tensor.numpy()``: it marks the storage non-resizable for good, which breaks FSDP2's
+``resize_``-based parameter freeing inside compiled blocks (FACTS.md). A non-contiguous input is
+made contiguous first; that temporary must outlive the program (XLA reads it asynchronously), so the
+caller keeps what :func:`to_jax` returns in ``keep`` until the results are ready.
+Results come back through DLPack (a view of XLA's buffer, no copy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+# torch dtype -> (numpy dtype of the raw view, numpy dtype XLA sees)
+_NUMPY = {
+    torch.bool: (np.bool_, np.bool_), torch.uint8: (np.uint8, np.uint8), torch.int8: (np.int8, np.int8),
+    torch.int16: (np.int16, np.int16), torch.int32: (np.int32, np.int32), torch.int64: (np.int64, np.int64),
+    torch.float16: (np.float16, np.float16), torch.bfloat16: (np.uint16, ml_dtypes.bfloat16),
+    torch.float32: (np.float32, np.float32), torch.float64: (np.float64, np.float64),
+    torch.complex64: (np.complex64, np.complex64), torch.complex128: (np.complex128, np.complex128),
+}
+
+
+class _Pointer:
+    """An object numpy turns into a view of ``nbytes`` at ``address`` (no copy, no storage flag)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, shape: tuple[int, ...], typestr: str):
+        self.__array_interface__ = {"data": (address, False), "shape": shape, "typestr": typestr,
+                                    "version": 3}
+
+
+def numpy_view(t: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """A numpy view of ``t``'s data and the tensor it points into (``t``, or a contiguous copy).
+
+    Keep the second value alive while anything reads the view.
+    """
+    if t.device.type != "cpu":
+        raise TypeError(f"tensor on device={t.device} cannot enter a CPU program; the compile backend "
+                        "takes CPU tensors (and 'tpu' device tensors once tpudist.device is installed)")
+    try:
+        raw_dtype, xla_dtype = _NUMPY[t.dtype]
+    except KeyError:
+        raise TypeError(f"dtype={t.dtype} has no XLA equivalent; supported: "
+                        f"{', '.join(map(str, _NUMPY))}") from None
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return np.empty(tuple(t.shape), xla_dtype), t
+    arr = np.asarray(_Pointer(t.data_ptr(), tuple(t.shape), np.dtype(raw_dtype).str))
+    return (arr if raw_dtype is xla_dtype else arr.view(xla_dtype)), t
+
+
+def to_jax(tensors: list[Any], avals: list[Any], sharding: Any, device: Any, keep: list[Any]) -> list[Any]:
+    """Each tensor as a ``jax.Array`` on ``device``; temporaries it needed go into ``keep``."""
+    from jax._src.lib import xla_client
+
+    out = []
+    for t, aval in zip(tensors, avals):
+        arr, owner = numpy_view(t.detach())
+        keep.append(owner)
+        out.append(xla_client.batched_device_put(aval, sharding, [arr], [device], True))
+    return out
+
+
+def to_torch(array: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A torch view of a ready ``jax.Array`` (DLPack; a copy only where DLPack refuses)."""
+    if array.size == 0:
+        return torch.empty(tuple(array.shape), dtype=dtype)
+    try:
+        return torch.from_dlpack(array)
+    except (BufferError, RuntimeError, TypeError):
+        # e.g. a dtype DLPack cannot name on this version: one copy through numpy
+        host = np.asarray(array)
+        raw_dtype = _NUMPY[dtype][0]
+        return torch.from_numpy(host.view(raw_dtype).copy()).view(dtype)

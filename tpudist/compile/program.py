@@ -1,0 +1,369 @@
+"""One ATen graph -> one XLA program: interpret the FX graph through ``tpudist.ops``, trace once
+with ``jax.jit``, compile ahead of time, then run it on torch tensors.
+
+A :class:`GraphProgram` is what the backend hands AOTAutograd for a forward or backward graph: a
+boxed callable (``_boxed_call``: it takes the argument list and clears it, so inputs can be freed
+early). Every call crosses the boundary without copies (``boundary``), runs the executable and
+waits for it (inputs may be freed or resized by FSDP2 right after), then returns torch views of
+XLA's result buffers, each in the dtype ``node.meta["val"]`` records.
+
+Programs are cached in memory by :class:`GraphKey` (the graph's code, its input shapes and dtypes,
+its constants and the collective groups it names) and on disk twice: JAX's persistent compilation
+cache (``tpudist.jax_cache``), and, for single-device programs, the serialized executable itself
+under ``<cache dir>/compile``, so a second process skips tracing as well as XLA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import operator
+import os
+import pickle
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.fx
+
+from tpudist.compile import boundary
+from tpudist.compile.errors import UnsupportedGraph, missing_op_error, user_line
+
+log = logging.getLogger(__name__)
+
+_RNG_NAMESPACE = ("aten", "prims")
+
+
+@dataclass(slots=True)
+class Stats:
+    """What the backend did in this process (tests and benchmarks read it)."""
+
+    graphs: int = 0  # GraphPrograms built (forward and backward count separately)
+    programs_compiled: int = 0  # XLA compilations (memory-cache misses that were not on disk)
+    memory_hits: int = 0
+    disk_hits: int = 0
+    compile_seconds: float = 0.0  # tracing + lowering + XLA (or loading from disk)
+    calls: int = 0
+    by_graph: dict = field(default_factory=dict)
+
+    def snapshot(self) -> dict:
+        return {k: getattr(self, k) for k in ("graphs", "programs_compiled", "memory_hits", "disk_hits",
+                                               "compile_seconds", "calls")}
+
+
+STATS = Stats()
+_cache: dict[str, "_Executable"] = {}
+_lock = threading.Lock()
+
+
+def clear_cache() -> None:
+    """Forget every compiled program held in memory (the disk caches stay)."""
+    with _lock:
+        _cache.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class _Executable:
+    compiled: Any  # jax.stages.Compiled
+    num_keys: int  # random keys the program draws (0: no torch RNG is consumed)
+
+
+@dataclass(frozen=True, slots=True)
+class _Output:
+    kind: str  # "array" (index into the program's outputs), "input" (pass-through), "none", "value"
+    index: int = 0
+    dtype: torch.dtype | None = None
+    value: Any = None
+
+
+def _is_tensor_val(val: Any) -> bool:
+    return isinstance(val, torch.Tensor)
+
+
+class GraphProgram:
+    """A compiled ATen graph, callable with AOTAutograd's boxed arguments."""
+
+    _boxed_call = True
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list, *, name: str,
+                 collectives: Any = None):
+        import jax
+
+        from tpudist.jax_cache import enable_persistent_cache
+
+        enable_persistent_cache()
+        self.name = name
+        self._gm = gm
+        self._collectives = collectives  # collectives.GraphCollectives or None
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(example_inputs):
+            raise AssertionError(f"{name}: {len(placeholders)} placeholders, {len(example_inputs)} inputs")
+        self._tensor_at = []
+        for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
+            if isinstance(x, torch.Tensor):
+                self._tensor_at.append(i)
+            elif isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                raise UnsupportedGraph(f"{name}: input {node.name} is a symbolic size ({x}); the tpu backend "
+                                       "compiles static shapes only: pass dynamic=False to torch.compile")
+        from tpudist.ops import to_jax_dtype
+
+        self._avals = [jax.core.ShapedArray(tuple(example_inputs[i].shape), to_jax_dtype(example_inputs[i].dtype))
+                       for i in self._tensor_at]
+        self._constants = [(n.target, _fetch_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"]
+        self._outputs, self._output_nodes = self._plan_outputs(gm, placeholders)
+        if collectives is not None:
+            self._device, self._sharding = collectives.device, collectives.input_sharding
+        else:
+            self._device = jax.local_devices()[0]
+            self._sharding = jax.sharding.SingleDeviceSharding(self._device)
+        self._const_arrays = None
+        self.key = self._key()
+        STATS.graphs += 1
+        self._exe = self._executable()
+
+    # -- building ---------------------------------------------------------------------------------
+    @staticmethod
+    def _plan_outputs(gm, placeholders):
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        where = {n: i for i, n in enumerate(placeholders)}
+        plan, computed = [], []
+        for arg in out_node.args[0]:
+            if arg is None:
+                plan.append(_Output("none"))
+            elif isinstance(arg, torch.fx.Node) and arg in where:
+                plan.append(_Output("input", where[arg]))
+            elif isinstance(arg, torch.fx.Node) and _is_tensor_val(arg.meta.get("val")):
+                plan.append(_Output("array", len(computed), arg.meta["val"].dtype))
+                computed.append(arg)
+            elif isinstance(arg, torch.fx.Node):
+                raise UnsupportedGraph(f"graph output {arg.name} is not a tensor ({arg.meta.get('val')!r}); "
+                                       "the tpu backend compiles graphs with static shapes only")
+            else:
+                plan.append(_Output("value", value=arg))
+        return plan, computed
+
+    def _key(self) -> str:
+        h = hashlib.sha256()
+        h.update(self._gm.code.encode())
+        h.update(repr([(a.shape, str(a.dtype)) for a in self._avals]).encode())
+        for name, value in self._constants:
+            h.update(name.encode())
+            h.update(repr((tuple(value.shape), str(value.dtype))).encode())
+            h.update(_bytes_of(value))
+        if self._collectives is not None:
+            h.update(self._collectives.key.encode())
+        import jax
+
+        h.update(repr((jax.__version__, torch.__version__, os.environ.get("XLA_FLAGS", ""),
+                       self._device.platform)).encode())
+        return h.hexdigest()[:32]
+
+    def _executable(self) -> _Executable:
+        with _lock:
+            exe = _cache.get(self.key)
+        if exe is not None:
+            STATS.memory_hits += 1
+            return exe
+        start = time.perf_counter()
+        exe = self._load() if self._collectives is None else None
+        if exe is not None:
+            STATS.disk_hits += 1
+        else:
+            exe = self._compile()
+            STATS.programs_compiled += 1
+            if self._collectives is None:
+                self._store(exe)
+        STATS.compile_seconds += time.perf_counter() - start
+        with _lock:
+            _cache[self.key] = exe
+        return exe
+
+    def _compile(self) -> _Executable:
+        import jax
+
+        from tpudist.ops import KeySource, keys
+
+        num_keys = [0]
+
+        def program(key_data, consts, *arrays):
+            source = KeySource(key_data)
+            with keys(source):
+                outs = interpret(self._gm, list(arrays), consts, self._output_nodes, self._collectives)
+            num_keys[0] = source.num_drawn
+            return outs
+
+        fn = program if self._collectives is None else self._collectives.wrap(program, len(self._avals))
+        key_aval = jax.ShapeDtypeStruct((2,), np.uint32)
+        const_avals = [jax.ShapeDtypeStruct(tuple(v.shape), _jax_dtype(v.dtype)) for _, v in self._constants]
+        with jax.enable_x64(True):
+            lowered = jax.jit(fn).lower(key_aval, const_avals, *self._avals)
+            compiled = lowered.compile()
+        return _Executable(compiled, num_keys[0])
+
+    # -- the on-disk executable cache (single-device programs) ------------------------------------
+    def _path(self):
+        from tpudist.jax_cache import cache_dir
+
+        base = cache_dir()
+        return None if base is None else base / "compile" / f"{self.key}.pkl"
+
+    def _load(self) -> _Executable | None:
+        path = self._path()
+        if path is None or not path.exists():
+            return None
+        from jax.experimental import serialize_executable
+
+        try:
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree, num_keys = pickle.load(f)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                 execution_devices=[self._device])
+        except Exception as e:  # noqa: BLE001 - a stale or partial file: compile again, say so
+            log.warning("tpudist.compile: ignoring unreadable cached program %s (%s)", path, e)
+            return None
+        return _Executable(compiled, num_keys)
+
+    def _store(self, exe: _Executable) -> None:
+        path = self._path()
+        if path is None:
+            return
+        from jax.experimental import serialize_executable
+
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(exe.compiled)
+        except (ValueError, NotImplementedError) as e:
+            log.info("tpudist.compile: program %s not serializable (%s); JAX's cache still has it", self.name, e)
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump((payload, in_tree, out_tree, exe.num_keys), f)
+        os.replace(tmp, path)  # atomic: ranks compiling the same program race harmlessly
+
+    # -- running ----------------------------------------------------------------------------------
+    def _key_data(self) -> np.ndarray:
+        if not self._exe.num_keys:
+            return np.zeros(2, np.uint32)
+        # Drawn from torch's default generator: torch.manual_seed(s) gives the same masks every run.
+        seed = torch.randint(0, 2 ** 31 - 1, (2,), dtype=torch.int64)
+        return seed.numpy().astype(np.uint32)
+
+    def _consts(self) -> list:
+        if self._const_arrays is None:
+            keep: list = []
+            self._const_arrays = (boundary.to_jax([v for _, v in self._constants],
+                                                  [_aval_of(v) for _, v in self._constants],
+                                                  self._sharding, self._device, keep), keep)
+        return self._const_arrays[0]
+
+    def __call__(self, args: list) -> list:
+        import jax
+
+        tensors = [args[i] for i in self._tensor_at]
+        passthrough = {o.index: args[o.index] for o in self._outputs if o.kind == "input"}
+        args.clear()
+        keep: list = []
+        STATS.calls += 1
+        with jax.enable_x64(True):
+            if self._collectives is not None:
+                outs = self._collectives.run(self, tensors, keep)
+            else:
+                arrays = boundary.to_jax(tensors, self._avals, self._sharding, self._device, keep)
+                outs = self._exe.compiled(self._key_data(), self._consts(), *arrays)
+                jax.block_until_ready(outs)  # inputs (and temporaries in keep) are read by now
+        del keep, tensors
+        results = []
+        for o in self._outputs:
+            if o.kind == "array":
+                results.append(boundary.to_torch(outs[o.index], o.dtype))
+            elif o.kind == "input":
+                results.append(passthrough[o.index])
+            elif o.kind == "none":
+                results.append(None)
+            else:
+                results.append(o.value)
+        return results
+
+    def run_local(self, arrays: list) -> list:
+        """The executable on this rank's JAX arrays (used by collectives' runner)."""
+        return self._exe.compiled(self._key_data(), self._consts(), *arrays)
+
+
+# -- the interpreter ---------------------------------------------------------------------------------
+def interpret(gm: torch.fx.GraphModule, inputs: list, consts: list, output_nodes: list,
+              collectives: Any = None) -> list:
+    """Runs ``gm``'s nodes on JAX values (tracers inside ``jax.jit``); the values of ``output_nodes``."""
+    from tpudist import ops
+    from tpudist.ops import to_jax_dtype
+
+    env: dict[torch.fx.Node, Any] = {}
+    it = iter(inputs)
+    const_it = iter(consts)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            env[node] = next(it) if (val is None or isinstance(val, torch.Tensor)) else val
+        elif node.op == "get_attr":
+            env[node] = next(const_it)
+        elif node.op == "call_function":
+            args = torch.fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+            try:
+                env[node] = _call(node, args, kwargs, collectives, ops)
+            except ops.UnsupportedOp as e:
+                raise missing_op_error(e.op, node) from e
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and hasattr(env[node], "dtype"):
+                want = to_jax_dtype(val.dtype)
+                if env[node].dtype != want:
+                    env[node] = env[node].astype(want)
+        elif node.op == "output":
+            break
+        else:
+            raise UnsupportedGraph(f"node {node.name} ({node.op} {node.target}) at {user_line(node)}: the tpu "
+                                   "backend interprets ATen graphs of call_function nodes only")
+    return [env[n] for n in output_nodes]
+
+
+def _call(node, args, kwargs, collectives, ops):
+    target = node.target
+    if target is operator.getitem:
+        return args[0][args[1]]
+    if isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+        namespace = target.namespace
+        if namespace == "_c10d_functional":
+            if collectives is None:
+                raise UnsupportedGraph(f"{target} at {user_line(node)} outside a collective-aware program")
+            return collectives.lower(target, args, kwargs, node)
+        return ops.call(target, *args, **kwargs)
+    raise UnsupportedGraph(f"node {node.name} calls {target!r} at {user_line(node)}: not an ATen op overload; "
+                           "the tpu backend lowers ATen graphs (run it through aot_autograd first)")
+
+
+def _fetch_attr(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, torch.Tensor):
+        raise UnsupportedGraph(f"graph attribute {target} is a {type(obj).__name__}, not a tensor")
+    return obj.detach()
+
+
+def _jax_dtype(dtype: torch.dtype):
+    from tpudist.ops import to_jax_dtype
+
+    return to_jax_dtype(dtype)
+
+
+def _aval_of(t: torch.Tensor):
+    import jax
+
+    return jax.core.ShapedArray(tuple(t.shape), _jax_dtype(t.dtype))
+
+
+def _bytes_of(t: torch.Tensor) -> bytes:
+    arr, _owner = boundary.numpy_view(t)
+    return arr.tobytes()
