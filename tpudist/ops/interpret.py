@@ -117,9 +117,10 @@ class JaxValue(torch.Tensor):
     value: object
 
     @staticmethod
-    def __new__(cls, value):
+    def __new__(cls, value, requires_grad=False):
         dtype = to_torch_dtype(value.dtype)
-        t = torch.Tensor._make_wrapper_subclass(cls, tuple(value.shape), dtype=dtype, device="cpu")  # noqa: SLF001
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(value.shape), dtype=dtype, device="cpu",  # noqa: SLF001
+                                                requires_grad=requires_grad)
         t.value = value
         return t
 
@@ -151,7 +152,8 @@ class JaxMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (aten.detach.default, aten.lift_fresh.default, aten.alias.default):
-            return args[0] if isinstance(args[0], JaxValue) else _wrap(_unwrap(args[0]))
+            # a new wrapper: returning args[0] itself would make autograd's saved outputs alias their owner
+            return _wrap(_unwrap(args[0]))
         if torch.Tag.inplace in func.tags or func._schema.is_mutable:  # noqa: SLF001
             return _mutate(func, args, kwargs)
         return tree_map(_wrap, call(func, *tree_map(_unwrap, args), **tree_map(_unwrap, kwargs)))

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch._prims  # noqa: F401  (registers torch.ops.prims)
 
 Lowering = Callable[..., object]
 

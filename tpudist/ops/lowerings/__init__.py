@@ -1,3 +1,4 @@
 """The lowerings, one module per family of ops; importing this package registers them all."""
 
-from tpudist.ops.lowerings import elementwise, linalg  # noqa: F401
+from tpudist.ops.lowerings import (  # noqa: F401
+    elementwise, factories, foreach, indexing, linalg, nn, random, reductions, shape)

@@ -1,15 +1,107 @@
-"""Matrix products."""
+"""Matrix products and convolutions.
+
+bf16/f16 products accumulate in float32 (``preferred_element_type``), as torch's CPU kernels do.
+"""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import torch
 
+from tpudist.ops.lowerings._util import LOW_PRECISION, is_one, promote
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten
 
 
-@lowers(aten.mm.default, aten.bmm.default)
-def matmul(x, y):
+def _matmul(x, y):
+    x, y = promote(x, y)
+    if x.dtype in LOW_PRECISION:
+        return jnp.matmul(x, y, preferred_element_type=jnp.float32)
     return jnp.matmul(x, y)
+
+
+@lowers(aten.mm.default, aten.bmm.default, aten.matmul.default, aten.mv.default, aten.dot.default, aten.vdot.default)
+def matmul(x, y):
+    return _matmul(x, y)
+
+
+def _scaled_sum(bias, prod, beta, alpha):
+    if not is_one(alpha):
+        prod = prod * alpha
+    if not isinstance(beta, (int, float)) or beta != 0:
+        return (bias if is_one(beta) else bias * beta) + prod
+    return jnp.broadcast_to(prod, jnp.broadcast_shapes(prod.shape, bias.shape))  # beta=0 ignores nan in bias
+
+
+@lowers(aten.addmm.default, aten.baddbmm.default, aten.addmv.default)
+def addmm(bias, x, y, *, beta=1, alpha=1):
+    return _scaled_sum(bias, _matmul(x, y), beta, alpha)
+
+
+@lowers(aten.addbmm.default)
+def addbmm(bias, x, y, *, beta=1, alpha=1):
+    return _scaled_sum(bias, jnp.sum(_matmul(x, y), axis=0), beta, alpha)
+
+
+@lowers(aten.addr.default)
+def addr(bias, x, y, *, beta=1, alpha=1):
+    return _scaled_sum(bias, jnp.outer(*promote(x, y)), beta, alpha)
+
+
+@lowers(aten.outer.default, aten.ger.default)
+def outer(x, y):
+    x, y = promote(x, y)
+    return jnp.outer(x, y)
+
+
+def _conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    nd = x.ndim - 2
+    stride, dilation = list(stride) * (nd // len(stride)), list(dilation) * (nd // len(dilation))
+    padding = list(padding) * (nd // len(padding))
+    spatial = "DHW"[-nd:] if nd <= 3 else None
+    dn = (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
+    x, weight = promote(x, weight)
+    pref = jnp.float32 if x.dtype in LOW_PRECISION else None
+    if not transposed:
+        out = jax.lax.conv_general_dilated(x, weight, window_strides=stride,
+                                           padding=[(p, p) for p in padding], rhs_dilation=dilation,
+                                           dimension_numbers=dn, feature_group_count=groups,
+                                           preferred_element_type=pref)
+    else:
+        output_padding = list(output_padding) * (nd // max(len(output_padding), 1)) if output_padding else [0] * nd
+        # weight is (in, out/groups, k...): flip spatially, swap in/out per group
+        cin = weight.shape[0]
+        w = weight.reshape(groups, cin // groups, *weight.shape[1:])
+        w = jnp.swapaxes(w, 1, 2).reshape(groups * weight.shape[1], cin // groups, *weight.shape[2:])
+        w = jnp.flip(w, axis=tuple(range(2, 2 + nd)))
+        k = weight.shape[2:]
+        pads = [(dilation[i] * (k[i] - 1) - padding[i], dilation[i] * (k[i] - 1) - padding[i] + output_padding[i])
+                for i in range(nd)]
+        out = jax.lax.conv_general_dilated(x, w, window_strides=[1] * nd, padding=pads, lhs_dilation=stride,
+                                           rhs_dilation=dilation, dimension_numbers=dn,
+                                           feature_group_count=groups, preferred_element_type=pref)
+    if bias is not None:
+        out = out + bias.reshape(1, -1, *([1] * nd))
+    return out
+
+
+@lowers(aten.convolution.default)
+def convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if x.ndim == weight.ndim - 1:  # unbatched input
+        return _conv(x[None], weight, bias, stride, padding, dilation, transposed, output_padding, groups)[0]
+    return _conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+
+
+@lowers(aten.convolution_backward.default)
+def convolution_backward(grad_output, x, weight, bias_sizes, stride, padding, dilation, transposed,
+                         output_padding, groups, output_mask):
+    def forward(x, weight):
+        return _conv(x, weight, None, stride, padding, dilation, transposed, output_padding, groups)
+
+    _, vjp = jax.vjp(forward, x, weight)
+    grad_x, grad_w = vjp(grad_output.astype(jnp.result_type(x, weight)))
+    nd = x.ndim - 2
+    grad_b = jnp.sum(grad_output, axis=(0, *range(2, 2 + nd))) if output_mask[2] else None
+    return (grad_x if output_mask[0] else None, grad_w if output_mask[1] else None, grad_b)

@@ -1,0 +1,148 @@
+"""Tensor factories: full/empty/zeros/ones/arange/eye/..., their ``*_like`` and ``new_*`` forms, scalars.
+
+Device, layout, pin_memory and memory_format arguments are ignored (the caller places arrays);
+``dtype`` is honoured (``call`` casts to torch's inferred dtype when it is None). ``empty*`` returns
+zeros: deterministic, and XLA has no uninitialised buffers anyway.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from tpudist.ops.dtypes import to_jax_dtype
+from tpudist.ops.lowerings._util import is_array
+from tpudist.ops.registry import lowers
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _dtype(dtype, fill=None, like=None):
+    if dtype is not None:
+        return to_jax_dtype(dtype)
+    if like is not None:
+        return like.dtype
+    if fill is None or isinstance(fill, float):
+        return to_jax_dtype(torch.get_default_dtype())
+    if isinstance(fill, bool):
+        return jnp.bool_
+    if isinstance(fill, int):
+        return jnp.int64
+    if is_array(fill):
+        return fill.dtype
+    return jnp.complex64
+
+
+@lowers(aten.full.default, prims.full.default)
+def full(size, fill_value, *, dtype=None, **_placement):
+    return jnp.full(tuple(size), fill_value, _dtype(dtype, fill_value))
+
+
+@lowers(aten.full_like.default)
+def full_like(x, fill_value, *, dtype=None, **_placement):
+    return jnp.full(x.shape, fill_value, _dtype(dtype, like=x))
+
+
+@lowers(aten.new_full.default)
+def new_full(x, size, fill_value, *, dtype=None, **_placement):
+    return jnp.full(tuple(size), fill_value, _dtype(dtype, like=x))
+
+
+@lowers(aten.empty.memory_format, aten.zeros.default)
+def zeros(size, *, dtype=None, **_placement):
+    return jnp.zeros(tuple(size), _dtype(dtype))
+
+
+@lowers(aten.empty_strided.default, prims.empty_strided.default)
+def empty_strided(size, stride, *, dtype=None, **_placement):
+    return jnp.zeros(tuple(size), _dtype(dtype))
+
+
+@lowers(aten.ones.default)
+def ones(size, *, dtype=None, **_placement):
+    return jnp.ones(tuple(size), _dtype(dtype))
+
+
+@lowers(aten.empty_like.default, aten.zeros_like.default, aten.zero.default)
+def zeros_like(x, *, dtype=None, **_placement):
+    return jnp.zeros(x.shape, _dtype(dtype, like=x))
+
+
+@lowers(aten.ones_like.default)
+def ones_like(x, *, dtype=None, **_placement):
+    return jnp.ones(x.shape, _dtype(dtype, like=x))
+
+
+@lowers(aten.new_empty.default, aten.new_zeros.default)
+def new_zeros(x, size, *, dtype=None, **_placement):
+    return jnp.zeros(tuple(size), _dtype(dtype, like=x))
+
+
+@lowers(aten.new_empty_strided.default)
+def new_empty_strided(x, size, stride, *, dtype=None, **_placement):
+    return jnp.zeros(tuple(size), _dtype(dtype, like=x))
+
+
+@lowers(aten.new_ones.default)
+def new_ones(x, size, *, dtype=None, **_placement):
+    return jnp.ones(tuple(size), _dtype(dtype, like=x))
+
+
+@lowers(aten.fill.Scalar, aten.fill.Tensor)
+def fill(x, value):
+    return jnp.full(x.shape, jnp.asarray(value).astype(x.dtype) if is_array(value) else value, x.dtype)
+
+
+@lowers(aten.scalar_tensor.default)
+def scalar_tensor(s, *, dtype=None, **_placement):
+    return jnp.asarray(s, _dtype(dtype if dtype is not None else torch.get_default_dtype()))
+
+
+@lowers(aten.arange.default, aten.arange.start, aten.arange.start_step)
+def arange(*args, dtype=None, **_placement):
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (*args, 1)[:3] if len(args) == 2 else args
+    if step == 0:
+        raise RuntimeError("arange: step must be nonzero")
+    n = max(0, math.ceil((end - start) / step))
+    if dtype is None:
+        dtype = torch.int64 if all(isinstance(v, int) for v in (start, end, step)) else torch.get_default_dtype()
+    if dtype.is_floating_point:
+        # torch computes start + i * step in double, then casts
+        return (start + np.arange(n, dtype=np.float64) * step).astype(to_jax_dtype(dtype))
+    return jnp.asarray(start + np.arange(n, dtype=np.int64) * step, to_jax_dtype(dtype))
+
+
+@lowers(prims.iota.default)
+def iota(length, *, start, step, dtype, device=None, requires_grad=False):
+    return start + jnp.arange(length, dtype=to_jax_dtype(dtype)) * step
+
+
+@lowers(aten.linspace.default)
+def linspace(start, end, steps, *, dtype=None, **_placement):
+    dtype = to_jax_dtype(dtype or torch.get_default_dtype())
+    # torch's CPU kernel fills the first half from start and the second half from end
+    step = (end - start) / (steps - 1) if steps > 1 else 0
+    i = np.arange(steps, dtype=np.float64)
+    half = steps // 2
+    values = np.where(i < half, start + step * i, end - step * (steps - 1 - i))
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.asarray(np.trunc(values)).astype(dtype)
+    return jnp.asarray(values).astype(dtype)
+
+
+@lowers(aten.eye.default, aten.eye.m)
+def eye(n, m=None, *, dtype=None, **_placement):
+    return jnp.eye(n, n if m is None else m, dtype=_dtype(dtype))
+
+
+@lowers(aten._local_scalar_dense.default)
+def local_scalar_dense(x):
+    if isinstance(x, jax.core.Tracer):
+        raise NotImplementedError("aten._local_scalar_dense (Tensor.item()) needs a concrete value and cannot run "
+                                  "inside jax.jit; it is a sync point: the caller must run the program first")
+    return np.asarray(x).item()

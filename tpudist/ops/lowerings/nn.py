@@ -1,0 +1,321 @@
+"""Neural-network ops: activations and their backwards, softmax, layer norm, nll_loss, attention.
+
+Low-precision inputs compute in float32 and ``call`` rounds the result, as torch's CPU kernels do.
+Backward ops whose formula is the vjp of the forward use ``jax.vjp`` on the forward lowering, so the
+two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from tpudist.ops.lowerings._util import dim_of, to_float, upcast
+from tpudist.ops.registry import lowers
+from tpudist.ops.rng import next_key
+
+aten = torch.ops.aten
+
+
+def _f(x):
+    return upcast(to_float(x))
+
+
+# -- activations -----------------------------------------------------------------------------------
+
+@lowers(aten.relu.default)
+def relu(x):
+    return jnp.maximum(x, jnp.zeros((), x.dtype)) if x.dtype != jnp.bool_ else x
+
+
+@lowers(aten.gelu.default)
+def gelu(x, *, approximate="none"):
+    return jax.nn.gelu(_f(x), approximate=approximate == "tanh")
+
+
+@lowers(aten.silu.default)
+def silu(x):
+    x = _f(x)
+    return x * jax.nn.sigmoid(x)
+
+
+@lowers(aten.mish.default)
+def mish(x):
+    x = _f(x)
+    return x * jnp.tanh(jax.nn.softplus(x))
+
+
+@lowers(aten.elu.default)
+def elu(x, alpha=1, scale=1, input_scale=1):
+    x = _f(x)
+    return jnp.where(x > 0, x * scale, (jnp.expm1(x * input_scale)) * alpha * scale)
+
+
+@lowers(aten.leaky_relu.default)
+def leaky_relu(x, negative_slope=0.01):
+    return jnp.where(x > 0, x, x * negative_slope)
+
+
+@lowers(aten.hardtanh.default)
+def hardtanh(x, min_val=-1, max_val=1):
+    return jnp.clip(x, min_val, max_val) if x.dtype != jnp.bool_ else x
+
+
+@lowers(aten.softplus.default)
+def softplus(x, beta=1, threshold=20):
+    x = _f(x)
+    return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta)
+
+
+@lowers(aten.hardsigmoid.default)
+def hardsigmoid(x):
+    return jnp.clip(_f(x) / 6 + 0.5, 0, 1)
+
+
+@lowers(aten.hardswish.default)
+def hardswish(x):
+    x = _f(x)
+    return x * jnp.clip(x + 3, 0, 6) / 6
+
+
+@lowers(aten.glu.default)
+def glu(x, dim=-1):
+    a, b = jnp.split(x, 2, axis=dim_of(dim, x.ndim))
+    return upcast(a) * jax.nn.sigmoid(upcast(b))
+
+
+@lowers(aten.threshold.default)
+def threshold(x, threshold, value):
+    return jnp.where(x <= threshold, jnp.asarray(value).astype(x.dtype), x)
+
+
+@lowers(aten.threshold_backward.default)
+def threshold_backward(grad, x, threshold):
+    return jnp.where(x <= threshold, jnp.zeros((), grad.dtype), grad)
+
+
+@lowers(aten.sigmoid_backward.default)
+def sigmoid_backward(grad, output):
+    grad, output = upcast(grad), upcast(output)
+    return grad * output * (1 - output)
+
+
+@lowers(aten.tanh_backward.default)
+def tanh_backward(grad, output):
+    grad, output = upcast(grad), upcast(output)
+    return grad * (1 - output * output)
+
+
+def _vjp(forward, grad, x):
+    x = _f(x)
+    _, pullback = jax.vjp(forward, x)
+    return pullback(upcast(grad).astype(x.dtype))[0]
+
+
+@lowers(aten.silu_backward.default)
+def silu_backward(grad, x):
+    return _vjp(silu, grad, x)
+
+
+@lowers(aten.gelu_backward.default)
+def gelu_backward(grad, x, *, approximate="none"):
+    return _vjp(lambda v: gelu(v, approximate=approximate), grad, x)
+
+
+@lowers(aten.mish_backward.default)
+def mish_backward(grad, x):
+    return _vjp(mish, grad, x)
+
+
+@lowers(aten.softplus_backward.default)
+def softplus_backward(grad, x, beta, threshold):
+    return _vjp(lambda v: softplus(v, beta, threshold), grad, x)
+
+
+@lowers(aten.hardswish_backward.default)
+def hardswish_backward(grad, x):
+    x = _f(x)
+    return upcast(grad) * jnp.where(x < -3, 0.0, jnp.where(x <= 3, x / 3 + 0.5, 1.0))
+
+
+@lowers(aten.hardsigmoid_backward.default)
+def hardsigmoid_backward(grad, x):
+    x = _f(x)
+    return jnp.where((x > -3) & (x < 3), upcast(grad) / 6, 0.0)
+
+
+@lowers(aten.leaky_relu_backward.default)
+def leaky_relu_backward(grad, x, negative_slope, self_is_result):
+    return jnp.where(x > 0, grad, grad * negative_slope)
+
+
+@lowers(aten.hardtanh_backward.default)
+def hardtanh_backward(grad, x, min_val, max_val):
+    return jnp.where((x <= min_val) | (x >= max_val), jnp.zeros((), grad.dtype), grad)
+
+
+@lowers(aten.elu_backward.default)
+def elu_backward(grad, alpha, scale, input_scale, is_result, self_or_result):
+    g, y = upcast(grad), _f(self_or_result)
+    if is_result:
+        neg = g * input_scale * (y + alpha * scale)
+    else:
+        neg = g * input_scale * alpha * scale * jnp.exp(y * input_scale)
+    return jnp.where(y > 0, g * scale, neg)
+
+
+@lowers(aten.native_dropout_backward.default)
+def native_dropout_backward(grad, mask, scale):
+    return upcast(grad) * mask * scale
+
+
+# -- softmax ---------------------------------------------------------------------------------------
+
+@lowers(aten._softmax.default)
+def softmax(x, dim, half_to_float=False):
+    return jax.nn.softmax(upcast(x), axis=dim_of(dim, x.ndim)) if x.ndim else jnp.ones_like(upcast(x))
+
+
+@lowers(aten._log_softmax.default)
+def log_softmax(x, dim, half_to_float=False):
+    return jax.nn.log_softmax(upcast(x), axis=dim_of(dim, x.ndim)) if x.ndim else jnp.zeros_like(upcast(x))
+
+
+@lowers(aten._softmax_backward_data.default)
+def softmax_backward(grad_output, output, dim, input_dtype):
+    g, y = upcast(grad_output), upcast(output)
+    d = dim_of(dim, y.ndim) if y.ndim else None
+    return y * (g - jnp.sum(g * y, axis=d, keepdims=True))
+
+
+@lowers(aten._log_softmax_backward_data.default)
+def log_softmax_backward(grad_output, output, dim, input_dtype):
+    g, y = upcast(grad_output), upcast(output)
+    d = dim_of(dim, y.ndim) if y.ndim else None
+    return g - jnp.exp(y) * jnp.sum(g, axis=d, keepdims=True)
+
+
+# -- normalisation ---------------------------------------------------------------------------------
+
+def _layer_norm(x, normalized_shape, weight, bias, eps):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    xf = upcast(x)
+    mean = jnp.mean(xf, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True)
+    rstd = jax.lax.rsqrt(var + eps)
+    out = (xf - mean) * rstd
+    if weight is not None:
+        out = out * upcast(weight)
+    if bias is not None:
+        out = out + upcast(bias)
+    return out, mean, rstd
+
+
+@lowers(aten.native_layer_norm.default)
+def native_layer_norm(x, normalized_shape, weight, bias, eps):
+    return _layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+@lowers(aten.native_layer_norm_backward.default)
+def native_layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    xf, g = upcast(x), upcast(grad_out)
+    xhat = (xf - upcast(mean)) * upcast(rstd)
+    gw = g * upcast(weight) if weight is not None else g
+    n = math.prod(normalized_shape)
+    grad_x = upcast(rstd) / n * (n * gw - jnp.sum(gw, axis=axes, keepdims=True)
+                                 - xhat * jnp.sum(gw * xhat, axis=axes, keepdims=True))
+    outer = tuple(range(x.ndim - len(normalized_shape)))
+    grad_w = jnp.sum(g * xhat, axis=outer) if weight is not None and output_mask[1] else None
+    grad_b = jnp.sum(g, axis=outer) if bias is not None and output_mask[2] else None
+    return grad_x if output_mask[0] else None, grad_w, grad_b
+
+
+# -- losses ----------------------------------------------------------------------------------------
+
+def _nll_parts(x, target, weight, ignore_index):
+    """Per-element (loss, weight) with the class dim of x at 1 (or 0 for an unbatched input)."""
+    class_dim = 1 if x.ndim >= 2 else 0
+    keep = target != ignore_index
+    safe = jnp.where(keep, target, 0)
+    picked = jnp.take_along_axis(upcast(x), jnp.expand_dims(safe, class_dim), axis=class_dim).squeeze(class_dim)
+    w = jnp.ones(safe.shape, picked.dtype) if weight is None else upcast(weight)[safe]
+    w = jnp.where(keep, w, 0)
+    return -picked * w, w
+
+
+@lowers(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def nll_loss_forward(x, target, weight, reduction, ignore_index):
+    loss, w = _nll_parts(x, target, weight, ignore_index)
+    total = jnp.sum(w)
+    if reduction == 0:
+        return loss, jnp.zeros((), total.dtype)
+    if reduction == 2:
+        return jnp.sum(loss), total
+    return jnp.sum(loss) / total, total
+
+
+@lowers(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+def nll_loss_backward(grad_output, x, target, weight, reduction, ignore_index, total_weight):
+    class_dim = 1 if x.ndim >= 2 else 0
+    keep = target != ignore_index
+    safe = jnp.where(keep, target, 0)
+    w = jnp.ones(safe.shape, jnp.float32) if weight is None else upcast(weight)[safe]
+    w = jnp.where(keep, w, 0)
+    g = upcast(grad_output)
+    if reduction == 1:
+        g = g / upcast(total_weight)
+    scale = -w * g
+    onehot = jax.nn.one_hot(safe, x.shape[class_dim], axis=class_dim, dtype=scale.dtype)
+    return onehot * jnp.expand_dims(scale, class_dim)
+
+
+# -- attention -------------------------------------------------------------------------------------
+
+def _attention(q, k, v, attn_mask, is_causal, scale, dropout_p=0.0, key=None):
+    """Math SDPA on (..., heads, seq, dim) in float32 at least; returns (out, logsumexp)."""
+    dtype = jnp.promote_types(upcast(q).dtype, jnp.float32)
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    if k.shape[-3] != q.shape[-3] and q.ndim >= 3:  # grouped-query attention
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = jnp.repeat(k, rep, axis=-3), jnp.repeat(v, rep, axis=-3)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = jnp.einsum("...qd,...kd->...qk", q, k) * scale
+    if is_causal:
+        L, S = q.shape[-2], k.shape[-2]
+        scores = jnp.where(jnp.tril(jnp.ones((L, S), jnp.bool_)), scores, -jnp.inf)
+    if attn_mask is not None:
+        scores = jnp.where(attn_mask, scores, -jnp.inf) if attn_mask.dtype == jnp.bool_ else scores + attn_mask
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    probs = jnp.exp(scores - lse[..., None])
+    probs = jnp.where(jnp.isnan(probs), 0, probs)
+    if dropout_p > 0:
+        keep = jax.random.bernoulli(key, 1 - dropout_p, probs.shape)
+        probs = jnp.where(keep, probs / (1 - dropout_p), 0)
+    return jnp.einsum("...qk,...kd->...qd", probs, v), lse
+
+
+@lowers(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def sdpa_flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    key = next_key() if dropout_p > 0 else None
+    out, lse = _attention(q, k, v, attn_mask, is_causal, scale, dropout_p, key)
+    return out, lse.astype(jnp.float32)
+
+
+@lowers(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def sdpa_flash_cpu_backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
+                            scale=None):
+    if dropout_p > 0:
+        raise NotImplementedError("the flash-attention backward with dropout_p > 0 cannot replay the forward's "
+                                  "dropout mask; trace SDPA under the MATH backend "
+                                  "(torch.nn.attention.sdpa_kernel(SDPBackend.MATH))")
+
+    def forward(q, k, v):
+        return _attention(q, k, v, attn_mask, is_causal, scale)[0]
+
+    _, pullback = jax.vjp(forward, upcast(q), upcast(k), upcast(v))
+    return pullback(upcast(grad_out).astype(jnp.promote_types(upcast(q).dtype, jnp.float32)))
+

@@ -1,0 +1,280 @@
+"""Reductions, scans and sorting: sum/mean/prod/amax/var/..., cumsum, sort/topk.
+
+Low-precision inputs accumulate in float32 (torch's CPU kernels do); ``call`` casts the result back.
+Integer and bool sums accumulate in int64, as torch's ``sum`` does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from tpudist.ops.dtypes import to_jax_dtype
+from tpudist.ops.lowerings._util import dim_of, dims_of, is_float, is_integral, to_float, upcast
+from tpudist.ops.registry import lowers
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _accumulate(x, dtype):
+    """The input as the dtype the reduction accumulates in."""
+    if dtype is not None:
+        x = x.astype(to_jax_dtype(dtype))
+    elif is_integral(x):
+        x = x.astype(jnp.int64)
+    return upcast(x)
+
+
+@lowers(aten.sum.dim_IntList, aten.sum.default)
+def sum_(x, dim=None, keepdim=False, *, dtype=None):
+    return jnp.sum(_accumulate(x, dtype), axis=dims_of(dim, x.ndim), keepdims=keepdim)
+
+
+@lowers(prims.sum.default)
+def prims_sum(x, dims, *, output_dtype=None):
+    return jnp.sum(_accumulate(x, output_dtype), axis=dims_of(dims, x.ndim) if dims is not None else None)
+
+
+@lowers(aten.mean.dim, aten.mean.default)
+def mean(x, dim=None, keepdim=False, *, dtype=None):
+    if dtype is None and not is_float(x):
+        raise RuntimeError(f"mean(): could not infer output dtype. Input dtype must be either a floating point "
+                           f"or complex dtype. Got: {x.dtype}")
+    return jnp.mean(_accumulate(x, dtype), axis=dims_of(dim, x.ndim), keepdims=keepdim)
+
+
+@lowers(aten.prod.default)
+def prod(x, *, dtype=None):
+    return jnp.prod(_accumulate(x, dtype))
+
+
+@lowers(aten.prod.dim_int)
+def prod_dim(x, dim, keepdim=False, *, dtype=None):
+    return jnp.prod(_accumulate(x, dtype), axis=dim_of(dim, x.ndim) if x.ndim else None, keepdims=keepdim)
+
+
+@lowers(prims.prod.default)
+def prims_prod(x, dims, *, output_dtype=None):
+    return jnp.prod(_accumulate(x, output_dtype), axis=dims_of(dims, x.ndim))
+
+
+def _extreme(fn, x, dims, keepdim):
+    if x.ndim and any(x.shape[d] == 0 for d in dims):
+        raise IndexError("max(): Expected reduction dim to be specified for input.numel() == 0. "
+                         "Specify the reduction dim with the 'dim' argument.")
+    if x.dtype == jnp.bool_:
+        return (jnp.any if fn is jnp.max else jnp.all)(x, axis=dims, keepdims=keepdim)
+    return fn(x, axis=dims, keepdims=keepdim)
+
+
+@lowers(aten.amax.default, prims.amax.default)
+def amax(x, dim=(), keepdim=False):
+    return _extreme(jnp.max, x, dims_of(dim, x.ndim), keepdim)
+
+
+@lowers(aten.amin.default, prims.amin.default)
+def amin(x, dim=(), keepdim=False):
+    return _extreme(jnp.min, x, dims_of(dim, x.ndim), keepdim)
+
+
+@lowers(aten.max.default)
+def max_(x):
+    return _extreme(jnp.max, x, dims_of(None, x.ndim), False)
+
+
+@lowers(aten.min.default)
+def min_(x):
+    return _extreme(jnp.min, x, dims_of(None, x.ndim), False)
+
+
+def _arg_extreme(x, dim, keepdim, largest):
+    if dim is None:
+        flat = x.reshape(-1)
+        idx = jnp.argmax(flat) if largest else jnp.argmin(flat)
+        return idx.reshape((1,) * x.ndim) if keepdim else idx
+    if x.ndim == 0:
+        return jnp.zeros((), jnp.int64)
+    d = dim_of(dim, x.ndim)
+    y = x.astype(jnp.int8) if x.dtype == jnp.bool_ else x
+    idx = jnp.argmax(y, axis=d, keepdims=keepdim) if largest else jnp.argmin(y, axis=d, keepdims=keepdim)
+    return idx
+
+
+@lowers(aten.argmax.default)
+def argmax(x, dim=None, keepdim=False):
+    return _arg_extreme(x, dim, keepdim, True)
+
+
+@lowers(aten.argmin.default)
+def argmin(x, dim=None, keepdim=False):
+    return _arg_extreme(x, dim, keepdim, False)
+
+
+@lowers(aten.max.dim)
+def max_dim(x, dim, keepdim=False):
+    d = dim_of(dim, x.ndim)
+    return _extreme(jnp.max, x, (d,) if x.ndim else (), keepdim), _arg_extreme(x, dim, keepdim, True)
+
+
+@lowers(aten.min.dim)
+def min_dim(x, dim, keepdim=False):
+    d = dim_of(dim, x.ndim)
+    return _extreme(jnp.min, x, (d,) if x.ndim else (), keepdim), _arg_extreme(x, dim, keepdim, False)
+
+
+@lowers(aten.any.default, aten.any.dim, aten.any.dims)
+def any_(x, dim=None, keepdim=False):
+    return jnp.any(x != 0, axis=dims_of(dim, x.ndim), keepdims=keepdim)
+
+
+@lowers(aten.all.default, aten.all.dim, aten.all.dims)
+def all_(x, dim=None, keepdim=False):
+    return jnp.all(x != 0, axis=dims_of(dim, x.ndim), keepdims=keepdim)
+
+
+def _correction(correction, unbiased=None):
+    if correction is not None:
+        return correction
+    return 1 if unbiased is None or unbiased else 0
+
+
+@lowers(aten.var.correction)
+def var(x, dim=None, *, correction=None, keepdim=False):
+    return jnp.var(upcast(to_float(x)), axis=dims_of(dim, x.ndim), ddof=_correction(correction), keepdims=keepdim)
+
+
+@lowers(aten.std.correction)
+def std(x, dim=None, *, correction=None, keepdim=False):
+    return jnp.sqrt(var(x, dim, correction=correction, keepdim=keepdim))
+
+
+@lowers(aten.var_mean.correction)
+def var_mean(x, dim=None, *, correction=None, keepdim=False):
+    return var(x, dim, correction=correction, keepdim=keepdim), jnp.mean(
+        upcast(to_float(x)), axis=dims_of(dim, x.ndim), keepdims=keepdim)
+
+
+@lowers(aten.std_mean.correction)
+def std_mean(x, dim=None, *, correction=None, keepdim=False):
+    v, m = var_mean(x, dim, correction=correction, keepdim=keepdim)
+    return jnp.sqrt(v), m
+
+
+@lowers(prims.var.default)
+def prims_var(x, dims, correction=1, *, output_dtype=None):
+    return jnp.var(upcast(x), axis=dims_of(dims, x.ndim), ddof=correction)
+
+
+@lowers(aten.logsumexp.default)
+def logsumexp(x, dim, keepdim=False):
+    x = upcast(to_float(x))
+    return jax.nn.logsumexp(x, axis=dims_of(dim, x.ndim), keepdims=keepdim) if x.size else jnp.log(
+        jnp.sum(jnp.exp(x), axis=dims_of(dim, x.ndim), keepdims=keepdim))
+
+
+@lowers(aten.linalg_vector_norm.default)
+def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    x = jnp.abs(upcast(x.astype(to_jax_dtype(dtype)) if dtype is not None else x))
+    axes = dims_of(dim, x.ndim)
+    if ord == float("inf"):
+        return jnp.max(x, axis=axes, keepdims=keepdim)
+    if ord == float("-inf"):
+        return jnp.min(x, axis=axes, keepdims=keepdim)
+    if ord == 0:
+        return jnp.sum((x != 0).astype(x.dtype), axis=axes, keepdims=keepdim)
+    if ord == 1:
+        return jnp.sum(x, axis=axes, keepdims=keepdim)
+    if ord == 2:
+        return jnp.sqrt(jnp.sum(x * x, axis=axes, keepdims=keepdim))
+    return jnp.sum(x ** ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
+
+
+# -- scans ------------------------------------------------------------------------------------------
+
+@lowers(aten.cumsum.default)
+def cumsum(x, dim, *, dtype=None):
+    return jnp.cumsum(_accumulate(x, dtype), axis=dim_of(dim, x.ndim)) if x.ndim else _accumulate(x, dtype)
+
+
+@lowers(aten.cumprod.default)
+def cumprod(x, dim, *, dtype=None):
+    return jnp.cumprod(_accumulate(x, dtype), axis=dim_of(dim, x.ndim)) if x.ndim else _accumulate(x, dtype)
+
+
+@lowers(aten.logcumsumexp.default)
+def logcumsumexp(x, dim):
+    if not x.ndim:
+        return x
+    return jax.lax.cumlogsumexp(upcast(x), axis=dim_of(dim, x.ndim))
+
+
+def _cum_extreme(x, dim, largest):
+    if not x.ndim:
+        return x, jnp.zeros((), jnp.int64)
+    d = dim_of(dim, x.ndim)
+    n = x.shape[d]
+    iota = jax.lax.broadcasted_iota(jnp.int64, x.shape, d)
+
+    def combine(a, b):  # (value, index): the later index wins ties, as torch's cummax
+        (va, ia), (vb, ib) = a, b
+        better = (vb >= va) if largest else (vb <= va)
+        if is_float(x):
+            better = better | jnp.isnan(vb)
+            better = better & ~(jnp.isnan(va) & ~jnp.isnan(vb))
+        return jnp.where(better, vb, va), jnp.where(better, ib, ia)
+
+    if n == 0:
+        return x, iota
+    return jax.lax.associative_scan(combine, (x, iota), axis=d)
+
+
+@lowers(aten.cummax.default)
+def cummax(x, dim):
+    return _cum_extreme(x, dim, True)
+
+
+@lowers(aten.cummin.default)
+def cummin(x, dim):
+    return _cum_extreme(x, dim, False)
+
+
+# -- sorting ----------------------------------------------------------------------------------------
+
+def _sort(x, dim, descending, stable=True):
+    if not x.ndim:
+        return x, jnp.zeros((), jnp.int64)
+    d = dim_of(dim, x.ndim)
+    y = x.astype(jnp.int8) if x.dtype == jnp.bool_ else x
+    idx = jnp.argsort(y, axis=d, descending=descending, stable=True)
+    return jnp.take_along_axis(x, idx, axis=d), idx
+
+
+@lowers(aten.sort.default)
+def sort(x, dim=-1, descending=False):
+    return _sort(x, dim, descending)
+
+
+@lowers(aten.sort.stable)
+def sort_stable(x, *, stable=None, dim=-1, descending=False):
+    return _sort(x, dim, descending)
+
+
+@lowers(aten.topk.default)
+def topk(x, k, dim=-1, largest=True, sorted=True):
+    values, idx = _sort(x, dim, largest)
+    if not x.ndim:
+        return values, idx
+    d = dim_of(dim, x.ndim)
+    return jax.lax.slice_in_dim(values, 0, k, axis=d), jax.lax.slice_in_dim(idx, 0, k, axis=d)
+
+
+@lowers(aten.kthvalue.default)
+def kthvalue(x, k, dim=-1, keepdim=False):
+    values, idx = _sort(x, dim, False)
+    if not x.ndim:
+        return values, idx
+    d = dim_of(dim, x.ndim)
+    v, i = jnp.take(values, k - 1, axis=d), jnp.take(idx, k - 1, axis=d)
+    return (jnp.expand_dims(v, d), jnp.expand_dims(i, d)) if keepdim else (v, i)
