@@ -1,0 +1,118 @@
+"""Kernels on DTensors, on a full 2-rank mesh and on the ``tp`` sub-mesh of a 2x2 (dp, tp) mesh.
+
+Each case runs the kernel on DTensors (sharded or replicated, uneven shards included) and compares
+the full output and the full gradients with torch on the full tensors in one process.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.nn.functional as F
+from jax.sharding import PartitionSpec as P
+
+from tpudist.kernels import current_mesh, custom_jax_kernel
+
+TOL = 1e-5
+
+
+@custom_jax_kernel("kernels_test::col_softmax")
+def col_softmax(x):
+    """Softmax over dim 0: needs the whole column, so it runs as one program over the mesh."""
+    return jax.nn.softmax(x, axis=0)
+
+
+@custom_jax_kernel("kernels_test::tp_rms_norm")
+def tp_rms_norm(x, w, *, eps: float = 1e-6):
+    """RMSNorm whose hidden dim is sharded over mesh axis "tp": a shard_map with a psum over "tp"."""
+    mesh = current_mesh()
+    dim = x.shape[-1]
+
+    def local(xb, wb):
+        ss = jax.lax.psum((xb * xb).sum(-1, keepdims=True), "tp")
+        return xb * jax.lax.rsqrt(ss / dim + eps) * wb
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(None, "tp"), P("tp")), out_specs=P(None, "tp"))(x, w)
+
+
+def _torch_rms_norm(x, w, eps):
+    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
+
+
+def _compare(failures, name, got, want):
+    got = got.full_tensor() if hasattr(got, "full_tensor") else got
+    if got.shape != want.shape or not torch.allclose(got, want, atol=TOL, rtol=TOL):
+        err = (got - want).abs().max().item() if got.shape == want.shape else f"shape {tuple(got.shape)}"
+        failures.append(f"{name}: differs from torch by {err}")
+
+
+def _run_case(failures, name, fn, ref, fulls, mesh, placements_list):
+    """fn on DTensors vs ref on the full tensors: output and each input's gradient."""
+    from torch.distributed.tensor import distribute_tensor
+
+    inputs = [distribute_tensor(f, mesh, list(p)).requires_grad_() for f, p in zip(fulls, placements_list)]
+    out = fn(*inputs)
+    ref_inputs = [f.clone().requires_grad_() for f in fulls]
+    want = ref(*ref_inputs)
+    _compare(failures, f"{name} forward", out, want)
+    g = torch.linspace(-1, 1, want.numel()).reshape(want.shape)
+    out.backward(distribute_tensor(g, mesh, list(out.placements)))
+    want.backward(g)
+    for i, (x, r) in enumerate(zip(inputs, ref_inputs)):
+        _compare(failures, f"{name} grad {i}", x.grad, r.grad)
+
+
+def check_kernels(mesh_shape, names, sub_axis):
+    """Every case on ``init_device_mesh(mesh_shape)[sub_axis]`` (the whole mesh if None)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    from tpudist.kernels import KernelShardingError
+    from tpudist.kernels.library import attention, rms_norm
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    mesh = mesh[sub_axis] if sub_axis else mesh
+    failures = []
+    x, w = torch.randn(5, 3, 8), torch.randn(8)  # 5 rows: uneven on 2 ranks
+    norm = lambda a, b: rms_norm(a, b, 1e-5)  # noqa: E731
+    ref_norm = lambda a, b: _torch_rms_norm(a, b, 1e-5)  # noqa: E731
+    for px in (Shard(0), Shard(1), Replicate()):
+        _run_case(failures, f"rms_norm x={px}", norm, ref_norm, [x, w], mesh, [(px,), (Replicate(),)])
+    q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+    attn = lambda a, b, c: attention(a, b, c, causal=True)  # noqa: E731
+    ref_attn = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)  # noqa: E731
+    for p in (Shard(1), Shard(0), Replicate()):
+        _run_case(failures, f"attention {p}", attn, ref_attn, [q, k, v], mesh, [(p,)] * 3)
+    c = torch.randn(5, 4)
+    for p in (Shard(0), Replicate()):
+        _run_case(failures, f"col_softmax {p}", col_softmax, lambda a: torch.softmax(a, 0), [c], mesh, [(p,)])
+    h, hw = torch.randn(3, 8), torch.randn(8)
+    _run_case(failures, "tp_rms_norm", lambda a, b: tp_rms_norm(a, b, eps=1e-5),
+              lambda a, b: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-5) * b,
+              [h, hw], mesh, [(Shard(1),), (Shard(0),)])
+
+    from torch.distributed.tensor import distribute_tensor
+
+    try:
+        rms_norm(distribute_tensor(x, mesh, [Shard(2)]), distribute_tensor(w, mesh, [Replicate()]))
+        failures.append("rms_norm on a hidden-dim shard did not raise")
+    except KernelShardingError as e:
+        if "redistribute" not in str(e) or "tpudist::rms_norm" not in str(e):
+            failures.append(f"unhelpful sharding error: {e}")
+    try:
+        attention(*(distribute_tensor(t, mesh, [p]) for t, p in zip((q, k, v), (Shard(1), Replicate(), Shard(1)))))
+        failures.append("attention with k replicated, q sharded on heads did not raise")
+    except KernelShardingError as e:
+        if "shard them alike" not in str(e):
+            failures.append(f"unhelpful sharding error: {e}")
+    return failures
+
+
+def test_full_mesh_2_ranks(pool2):
+    assert pool2.run(check_kernels, (2,), ("tp",), None) == [[], []]
+
+
+def test_tp_sub_mesh_of_2x2(pool4):
+    assert pool4.run(check_kernels, (2, 2), ("dp", "tp"), "tp") == [[]] * 4

@@ -1,0 +1,20 @@
+"""JAX and Pallas kernels as PyTorch operators: on CPU tensors, DTensors and compiled graphs.
+
+    from tpudist.kernels import custom_jax_kernel
+
+    @custom_jax_kernel("mylib::rms_norm", shard_dims="... _, _ -> ... _")
+    def rms_norm(x, w, *, eps: float = 1e-6):          # a jnp function, or one calling pallas_call
+        return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+    y = rms_norm(x_torch, w_torch)                      # torch in, torch out; autograd works
+
+``tpudist.kernels.library`` holds the shipped kernels (RMSNorm, attention; Pallas variants);
+``python -m tpudist warmup`` compiles them into the persistent compile cache.
+"""
+
+from tpudist.kernels.dtensor import current_mesh
+from tpudist.kernels.errors import KernelGradientError, KernelInputError, KernelShardingError
+from tpudist.kernels.kernel import JaxKernel, custom_jax_kernel
+
+__all__ = ["JaxKernel", "KernelGradientError", "KernelInputError", "KernelShardingError", "current_mesh",
+           "custom_jax_kernel"]
