@@ -151,6 +151,8 @@ class JaxMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "profiler":  # record_function markers (optimizer.step): no tensors, run as is
+            return func(*args, **kwargs)
         if func in (aten.detach.default, aten.lift_fresh.default, aten.alias.default):
             # a new wrapper: returning args[0] itself would make autograd's saved outputs alias their owner
             return _wrap(_unwrap(args[0]))
@@ -159,22 +161,48 @@ class JaxMode(TorchDispatchMode):
         return tree_map(_wrap, call(func, *tree_map(_unwrap, args), **tree_map(_unwrap, kwargs)))
 
 
+def _flat(x):
+    if isinstance(x, (list, tuple)):
+        return [leaf for item in x for leaf in _flat(item)]
+    return [x]
+
+
 def _mutate(func, args, kwargs):
-    """An in-place or out= op inside a decomposition: the functional op, then rebind the targets."""
+    """An in-place or out= op under the mode: the functional op, then rebind the written arguments.
+
+    The written arguments are the schema's ``Tensor(a!)`` ones (lists of them too: ``_foreach_add_``,
+    ``_fused_adamw_``); the functional twin returns their new values in the same order.
+    """
     from tpudist.ops.registry import functional_of
 
     functional = functional_of(func)
     if functional is None:
         raise UnsupportedOp(func, " (a mutating op with no functional twin)")
-    out_names = [a.name for a in func._schema.arguments if a.is_out]  # noqa: SLF001
-    targets = [kwargs.pop(n) for n in out_names] if out_names else [args[0]]
+    schema = func._schema  # noqa: SLF001
+    kwargs = dict(kwargs)
+    targets, by_alias = [], {}
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = kwargs.pop(arg.name) if arg.is_out else (args[i] if i < len(args) else kwargs.get(arg.name))
+        targets.append(value)
+        for alias in arg.alias_info.before_set:
+            by_alias[alias] = value
     result = call(functional, *tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-    results = result if isinstance(result, (tuple, list)) else (result,)
-    for target, value in zip(targets, results):
+    flat_targets = _flat(targets)
+    flat_results = _flat(result if len(targets) > 1 else [result])
+    if len(flat_targets) != len(flat_results):
+        raise UnsupportedOp(func, f" ({functional} returned {len(flat_results)} values for "
+                                  f"{len(flat_targets)} written tensors)")
+    for target, value in zip(flat_targets, flat_results):
         if not isinstance(target, JaxValue):
-            raise UnsupportedOp(func, " (a decomposition wrote into a tensor that is not a JaxValue)")
-        target.value = value.astype(target.value.dtype)  # a mutation keeps the target's dtype
-    return targets[0] if len(targets) == 1 else tuple(targets)
+            raise UnsupportedOp(func, " (it wrote into a tensor that is not a JaxValue)")
+        target.value = jnp.broadcast_to(value, target.shape).astype(target.value.dtype)  # keeps its dtype
+    returns = [by_alias.get(next(iter(r.alias_info.before_set)), None) if r.alias_info else None
+               for r in schema.returns]
+    if not returns:
+        return None
+    return returns[0] if len(returns) == 1 else tuple(returns)
 
 
 def run_decomposition(decomp, args, kwargs):

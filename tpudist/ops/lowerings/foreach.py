@@ -26,7 +26,7 @@ def _twin(name):
     from tpudist.ops.registry import lowering_for
 
     packet = getattr(aten, name)
-    return lowering_for(getattr(packet, "default", None) or packet.Tensor)
+    return lowering_for(getattr(packet, "Tensor" if "Tensor" in packet.overloads() else "default"))
 
 
 def _map(fn):
