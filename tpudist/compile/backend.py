@@ -66,9 +66,10 @@ def check_static(gm: torch.fx.GraphModule, example_inputs: list) -> None:
         source = _source_name(node)
         if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise UnsupportedGraph(
-                f"torch.compile(backend='tpu') needs static shapes: input {source} is a symbolic size ({x}). "
-                "Pass dynamic=False to torch.compile; for varying lengths pad to a few fixed sizes "
-                "(tpudist.device.buckets picks them) so each compiles once")
+                f"torch.compile(backend='tpu') needs static shapes: input {source} is dynamic ({x}); Dynamo made "
+                "it dynamic after seeing a second size. Pass dynamic=False to torch.compile (one program per "
+                "size), or pad that dim to a few fixed lengths (buckets: tpudist.device.buckets, or padding "
+                "with targets=-100)")
         if isinstance(x, torch.Tensor):
             for dim, size in enumerate(x.shape):
                 if isinstance(size, torch.SymInt) and not _is_concrete(size):
@@ -89,7 +90,12 @@ def _is_concrete(size) -> bool:
 def _source_name(node: torch.fx.Node) -> str:
     grapharg = node.meta.get("grapharg")
     source = getattr(grapharg, "source", None)
-    return source.name if source is not None and hasattr(source, "name") else node.name
+    if source is None or not hasattr(source, "name"):
+        return node.name
+    base, idx = getattr(source, "base", None), getattr(source, "idx", None)
+    if base is not None and isinstance(idx, int) and "size" in str(getattr(source, "prop", "size")).lower():
+        return f"{base.name} dim {idx}"  # a size Dynamo passes as its own input: L['x'].size()[0]
+    return source.name
 
 
 # -- AOTAutograd ------------------------------------------------------------------------------------
@@ -192,20 +198,36 @@ def _split(gm: torch.fx.GraphModule, example_inputs: list, error: MissingOpError
         def call_module(self, target, args, kwargs):
             sub = self.fetch_attr(target)
             index = int(target.rsplit("_", 1)[1])
-            if not kinds[index]:
-                compiled = backend(sub, list(args), {"on_missing_op": opts.on_missing_op})
-                setattr(self.module, target, _Compiled(compiled))
-            return sub(*args, **kwargs)
+            if kinds[index]:
+                return sub(*args, **kwargs)
+            # AOTAutograd wants tuple outputs; split_module returns a lone value bare.
+            out_node = next(n for n in sub.graph.nodes if n.op == "output")
+            single = not isinstance(out_node.args[0], (tuple, list))
+            if single:
+                out_node.args = ((out_node.args[0],),)
+                sub.recompile()
+            compiled = backend(sub, list(args), {"on_missing_op": opts.on_missing_op})
+            setattr(self.module, target, _Compiled(compiled, single))
+            result = sub(*args, **kwargs)
+            return result[0] if single else result
 
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        _CompileSubmodules(split).run(*example_inputs)
+    if fake_mode is None:
+        fake_mode = torch._subclasses.FakeTensorMode()  # noqa: SLF001
+    from torch._subclasses.fake_tensor import FakeTensor  # noqa: SLF001
+
+    fakes = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+             for x in example_inputs]
+    with fake_mode:
+        _CompileSubmodules(split).run(*fakes)
     return split
 
 
 class _Compiled(torch.nn.Module):
-    def __init__(self, fn):
+    def __init__(self, fn, single: bool):
         super().__init__()
         self.fn = fn
+        self.single = single
 
     def forward(self, *args):
-        return self.fn(*args)
+        out = self.fn(*args)
+        return out[0] if self.single else out

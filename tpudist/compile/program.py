@@ -95,6 +95,7 @@ class GraphProgram:
         from tpudist.jax_cache import enable_persistent_cache
 
         enable_persistent_cache()
+        self._boxed_call = True  # on the instance: torch._dynamo.disable's wraps() copies __dict__ only
         self.name = name
         self._gm = gm
         self._collectives = collectives  # collectives.GraphCollectives or None
@@ -158,7 +159,7 @@ class GraphProgram:
         import jax
 
         h.update(repr((jax.__version__, torch.__version__, os.environ.get("XLA_FLAGS", ""),
-                       self._device.platform)).encode())
+                       self._device.platform, self._device.id)).encode())
         return h.hexdigest()[:32]
 
     def _executable(self) -> _Executable:

@@ -1,0 +1,222 @@
+"""torch.compile(backend="tpu") in one process, against eager torch on the CPU.
+
+The decoder is the recipe's (tpudist.training.model), small; each test compiles once and shares
+programs through the module's cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpudist.compile as tc
+from tpudist.compile.program import STATS
+
+ARGS = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+BATCH, SEQ = 2, 16
+
+
+def _loss(model, tokens, targets):
+    return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+
+def _train(dtype, steps=10, compiled=True):
+    """Losses and final parameters of ``steps`` AdamW steps, eager and compiled from one init."""
+    from tpudist.training.model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    eager = Transformer(ModelArgs(**ARGS)).to(dtype)
+    model = copy.deepcopy(eager)
+    step = torch.compile(_loss, backend="tpu", fullgraph=True, dynamic=False)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    opt_c = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    losses, counts = [], []
+    for _ in range(steps):
+        tokens = torch.randint(0, ARGS["vocab_size"], (BATCH, SEQ), generator=gen)
+        targets = torch.randint(0, ARGS["vocab_size"], (BATCH, SEQ), generator=gen)
+        for net, opt, fn in ((eager, opt_e, _loss), (model, opt_c, step)):
+            loss = fn(net, tokens, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        counts.append((STATS.graphs, torch._dynamo.utils.counters["stats"]["unique_graphs"]))  # noqa: SLF001
+    return losses, counts, eager, model
+
+
+@pytest.fixture(scope="module")
+def trained():
+    torch._dynamo.reset()  # noqa: SLF001
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        before = STATS.graphs
+        losses, counts, eager, model = _train(dtype)
+        out[dtype] = (losses, [(g - before, u) for g, u in counts], eager, model)
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+def test_decoder_trains_like_eager(trained, dtype, tol):
+    losses, counts, eager, model = trained[dtype]
+    eager_losses, compiled_losses = losses[0::2], losses[1::2]
+    torch.testing.assert_close(torch.tensor(compiled_losses), torch.tensor(eager_losses), rtol=tol, atol=tol)
+    for (name, p_c), p_e in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p_c, p_e, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
+    # One forward and one backward XLA program, both built in step 1; nothing recompiles after it.
+    assert counts[0][0] == 2, counts
+    assert all(c == counts[0] for c in counts), counts
+
+
+def test_entry_point_names_the_backend():
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+    assert "tpu" in list_backends() and "tpudist" in list_backends()
+    assert lookup_backend("tpu").__module__ == "tpudist.compile.entry"
+    assert lookup_backend("tpudist") is lookup_backend("tpu")
+
+
+def test_boundary_inputs():
+    """int64 beyond 32 bits, non-contiguous, unaligned (storage offset), 0-d, empty, requires-grad."""
+
+    def fn(i, nc, un, z, e, r):
+        return i * 2 + 1, nc * 3.0 + un, z * 3, e + 1, (r * r).sum()
+
+    compiled = torch.compile(fn, backend="tpu", fullgraph=True, dynamic=False)
+    i = torch.arange(10, dtype=torch.int64) * 2 ** 40
+    nc = torch.randn(6, 4).t()
+    un = torch.randn(4 * 6 + 1)[1:].view(4, 6)
+    assert un.data_ptr() % 16 and not nc.is_contiguous()
+    z, e = torch.tensor(2.5), torch.empty(0, 3)
+    r = torch.randn(5, requires_grad=True)
+    out = compiled(i, nc, un, z, e, r)
+    ref = fn(i, nc, un, z, e, r.detach())
+    for got, want in zip(out, ref):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    out[-1].backward()
+    torch.testing.assert_close(r.grad, 2 * r.detach())
+
+
+@torch.library.custom_op("tpudist_test::mystery", mutates_args=())
+def mystery(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+@mystery.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _with_mystery(x):
+    y = x.sin()
+    z = torch.ops.tpudist_test.mystery(y)  # the line the error must name
+    return z.cos()
+
+
+def test_missing_op_names_op_and_line():
+    compiled = torch.compile(_with_mystery, backend="tpu", fullgraph=True, dynamic=False)
+    with pytest.raises(Exception) as info:
+        compiled(torch.randn(3))
+    text = str(info.value)
+    assert "tpudist_test.mystery.default" in text, text
+    assert "test_compile.py" in text and "torch.ops.tpudist_test.mystery(y)" in text, text
+    assert "on_missing_op" in text
+
+
+def test_missing_op_graph_break_option():
+    compiled = torch.compile(_with_mystery, backend="tpu", dynamic=False, options={"on_missing_op": "graph_break"})
+    x = torch.randn(3)
+    with pytest.warns(UserWarning, match="eagerly"):
+        got = compiled(x)
+    torch.testing.assert_close(got, _with_mystery(x))
+
+
+def test_dynamic_shapes_error_names_the_dim():
+    def fn(x):
+        return x * 2
+
+    compiled = torch.compile(fn, backend="tpu")  # default dynamic: Dynamo goes dynamic on a second size
+    compiled(torch.randn(4, 3))
+    with pytest.raises(Exception) as info:
+        compiled(torch.randn(5, 3))
+    text = str(info.value)
+    assert "dim 0" in text and "dynamic=False" in text and "buckets" in text, text
+
+
+def test_bad_option():
+    with pytest.raises(ValueError, match="on_missing_op"):
+        tc.backend(None, [], options={"on_missing_op": "cpu"})
+
+
+def test_dropout_seeded_masks_and_keep_rate():
+    p = 0.25
+
+    def fn(x):
+        return F.dropout(x, p=p, training=True)
+
+    compiled = torch.compile(fn, backend="tpu", fullgraph=True, dynamic=False)
+    x = torch.ones(200, 100, requires_grad=True)
+    torch.manual_seed(3)
+    a = compiled(x)
+    torch.manual_seed(3)
+    b = compiled(x)
+    c = compiled(x)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    n = x.numel()
+    kept = (a != 0).sum().item()
+    sigma = (n * p * (1 - p)) ** 0.5
+    assert abs(kept - n * (1 - p)) <= 3 * sigma, (kept, n * (1 - p), sigma)
+    torch.testing.assert_close(a[a != 0], torch.full((kept,), 1 / (1 - p)))
+    a.sum().backward()
+    assert torch.equal(x.grad, a.detach())  # the backward reuses the forward's mask
+
+
+_CACHE_CHILD = textwrap.dedent("""
+    import json, torch, torch.nn.functional as F
+    from tpudist.compile.program import STATS
+    from tpudist.training.model import ModelArgs, Transformer
+
+    def cache_run():
+        torch.manual_seed(0)
+        model = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=8))
+
+        def step(t):
+            return F.cross_entropy(model(t).flatten(0, 1), t.flatten())
+
+        loss = torch.compile(step, backend="tpu", fullgraph=True, dynamic=False)(torch.randint(0, 64, (2, 8)))
+        loss.backward()
+        return {"loss": loss.item(), **STATS.snapshot()}
+
+    if __name__ == "__main__":
+        print(json.dumps(cache_run()))
+""")
+
+
+def test_second_process_reuses_compiled_programs(tmp_path, monkeypatch):
+    """Cold: this process with an empty cache directory; warm: a fresh process on the same directory."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TPUDIST_CACHE_DIR", str(cache))
+    namespace: dict = {}
+    exec(compile(_CACHE_CHILD, "cache_child", "exec"), namespace)  # noqa: S102 - our own source
+    tc.clear_cache()
+    torch._dynamo.reset()  # noqa: SLF001
+    before = STATS.snapshot()
+    cold = namespace["cache_run"]()
+    cold = {k: v - before[k] if k != "loss" else v for k, v in cold.items()}
+    env = dict(os.environ, TPUDIST_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _CACHE_CHILD], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warm = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert cold["programs_compiled"] == 2 and warm["programs_compiled"] == 0 and warm["disk_hits"] == 2, (cold, warm)
+    assert warm["loss"] == cold["loss"]
+    assert warm["compile_seconds"] <= 0.1 * cold["compile_seconds"], (cold, warm)
