@@ -1,0 +1,534 @@
+"""The tpu kernels: every aten op on "tpu" tensors becomes one cached JAX program (or a fused part of one).
+
+A tpu tensor is a real PrivateUse1 TensorImpl (sizes, strides, storage offset) over an empty storage
+whose Python object holds a ``Buffer``: the flat ``jax.Array`` of the storage (or a pending value of
+the fused graph, or None before anything was written). Every alias (views, ``detach``, ``.data``,
+Parameters) shares the storage and so the buffer.
+
+One kernel serves every op (registered per op and as the PrivateUse1 fallback):
+- view ops run torch's Meta kernel on the tpu tensor itself (real strides over the shared storage);
+- any other op becomes a ``Kernel``, cached by a signature (op, tree structure, each tensor's
+  geometry/dtype/storage slot, static arguments; Python floats are inputs, not constants), which
+  reads its tensors out of the storages, runs the functional op through ``tpudist.ops.call`` and
+  writes in-place/``out=`` results back into the storages (several views of one storage combined);
+- torch's Meta kernel runs once per signature, so shape/dtype errors are torch's own, at the op.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax._src.lax import lax as _lax
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+import tpudist.ops as tops
+from tpudist.device import _runtime as rt
+from tpudist.device import views
+
+aten = torch.ops.aten
+META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)  # noqa: SLF001
+_ATTR = "_tpudist_buffer"
+_F64 = np.dtype("float64")
+
+
+class Buffer:
+    """What a tpu storage holds: ``value`` is a flat jax.Array, a fused ``Lazy`` or None (unwritten)."""
+
+    __slots__ = ("value", "numel", "dtype", "__weakref__")
+
+    def __init__(self, numel: int, dtype: torch.dtype, value=None):
+        self.value, self.numel, self.dtype = value, int(numel), dtype
+
+
+def buffer_of(t: torch.Tensor) -> Buffer:
+    buf = getattr(t.untyped_storage(), _ATTR, None)
+    if buf is None:
+        raise RuntimeError("this tpu tensor has no device buffer (it was not made by tpudist.device)")
+    return buf
+
+
+def is_tpu(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "tpu"
+
+
+def new_tensor(shape, dtype: torch.dtype, value=None, numel: int | None = None) -> torch.Tensor:
+    t = torch._C._acc.create_empty_tensor(tuple(int(s) for s in shape), dtype)  # noqa: SLF001
+    setattr(t.untyped_storage(), _ATTR, Buffer(math.prod(shape) if numel is None else numel, dtype, value))
+    return t
+
+
+# -- host <-> device ---------------------------------------------------------------------------------
+
+
+def to_jax(t: torch.Tensor):
+    """A CPU tensor's values as a flat jax.Array on the device (a copy: torch keeps its memory)."""
+    t = t.detach()
+    t = t.clone() if t.is_contiguous() else t.contiguous()
+    if t.dtype == torch.bfloat16:
+        host = t.view(torch.int16).numpy().view(jnp.bfloat16)
+    else:
+        host = t.numpy()
+    dev = rt.device()
+    with jax.enable_x64(True):  # else int64/float64 are silently truncated to 32 bits
+        return jax.device_put(host.reshape(-1), dev)
+
+
+def to_torch(array) -> torch.Tensor:
+    host = np.asarray(array)
+    if host.dtype == jnp.bfloat16:
+        return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(host.copy()) if not host.flags.writeable else torch.from_numpy(host)
+
+
+_READERS: dict = {}
+
+
+def value_of(t: torch.Tensor):
+    """The concrete jax.Array value of a tpu tensor (flushes a pending fused graph first)."""
+    buf = buffer_of(t)
+    if isinstance(buf.value, Lazy):
+        flush()
+    flat = buf.value
+    sizes, strides, offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
+    if flat is None:
+        return jnp.zeros(sizes, tops.to_jax_dtype(t.dtype))
+    key = (sizes, strides, offset, flat.shape, flat.dtype, t.dtype)
+    reader = _READERS.get(key)
+    if reader is None:
+        want = tops.to_jax_dtype(t.dtype)
+
+        def read(f):
+            return _retype(views.read(f, sizes, strides, offset), want)
+
+        reader = _READERS[key] = jax.jit(read)
+    with jax.enable_x64(True):
+        return reader(flat)
+
+
+def _retype(value, want):
+    if value.dtype == want:
+        return value
+    if np.dtype(value.dtype).itemsize == np.dtype(want).itemsize:
+        return jax.lax.bitcast_convert_type(value, want)
+    raise NotImplementedError(f"a view of dtype {want} over a storage of dtype {value.dtype} (different "
+                              "item sizes) is not supported on the tpu device; use .to(dtype) instead")
+
+
+# -- signatures and kernels --------------------------------------------------------------------------
+
+_KERNELS: dict = {}
+_ids = itertools.count()
+_STATIC_FLOAT_OPS: set = set()
+_FUNCTIONAL_ALIASES = {
+    aten.normal_.default: aten.normal_functional.default,
+}
+
+
+class Kernel:
+    """One op on one signature: what it reads, what it computes, what it writes."""
+
+    def __init__(self, op, functional, form, treedef, leaf_specs, slots, targets, n_scalars, random,
+                 fresh, returns):
+        self.id = next(_ids)
+        self.op, self.functional, self.form = op, functional, form
+        self.treedef, self.leaf_specs, self.slots = treedef, leaf_specs, slots
+        self.targets = targets          # leaf indices written (in-place/out), in functional-result order
+        self.n_scalars, self.random = n_scalars, random
+        self.fresh = fresh              # [(shape, torch dtype)] of fresh outputs, functional form only
+        self.returns = returns          # how to build the Python result from targets/fresh
+        self.written_slots = sorted({leaf_specs[i][1] for i in targets})
+        self.out_names = {a.name for a in op._schema.arguments if a.is_out}  # noqa: SLF001
+        self.jitted = jax.jit(self.trace)
+        rt.stats["kernels"] += 1
+
+    def __repr__(self):
+        return f"Kernel({self.op})"
+
+    def discover(self, arrays, sc):
+        """Abstract results of an op torch has no meta kernel for: the outputs' shapes and structure."""
+        self.fresh = ()
+        result = self.trace(arrays, sc, 0, raw=True)
+        flat, self.result_def = tree_flatten(result)
+        return flat
+
+    def trace(self, arrays, sc, base=0, raw=False):
+        flats = [a if a is not None else jnp.zeros((numel,), tops.to_jax_dtype(dtype))
+                 for a, (numel, dtype) in zip(arrays, self.slots)]
+        leaves = []
+        for spec in self.leaf_specs:
+            kind = spec[0]
+            if kind == "T":
+                _, slot, sizes, strides, offset, dtype = spec
+                leaves.append(_retype(views.read(flats[slot], sizes, strides, offset), tops.to_jax_dtype(dtype)))
+            elif kind == "F":
+                leaves.append(_weak(sc[base + spec[1]]))
+            elif kind == "C":
+                leaves.append(_weak(sc[base + spec[1]]).astype(tops.to_jax_dtype(spec[2])))
+            elif kind == "I":
+                leaves.append(jnp.asarray(spec[1], tops.to_jax_dtype(spec[2])))
+            else:
+                leaves.append(spec[1])
+        args, kwargs = tree_unflatten(leaves, self.treedef)
+        if self.form == "out":
+            kwargs = {k: v for k, v in kwargs.items() if k not in self.out_names}
+        if self.random:
+            seed = sc[base + self.n_scalars].astype(jnp.uint32)
+            count = sc[base + self.n_scalars + 1].astype(jnp.uint32)
+            key = jax.random.fold_in(jax.random.key(seed), count)
+            with tops.keys(tops.KeySource(key)):
+                result = tops.call(self.functional, *args, **kwargs)
+        else:
+            result = tops.call(self.functional, *args, **kwargs)
+        if raw:
+            return result
+        results = tree_flatten(result)[0]
+        if self.form == "functional":
+            if len(results) != len(self.fresh):
+                raise AssertionError(f"{self.op}: lowering returned {len(results)} tensors, torch {len(self.fresh)}")
+            return [_cast(r, shape, dtype).reshape(-1) for r, (shape, dtype) in zip(results, self.fresh)]
+        if len(results) < len(self.targets):
+            raise AssertionError(f"{self.op}: functional form returned {len(results)} results for "
+                                 f"{len(self.targets)} mutated tensors")
+        for leaf, value in zip(self.targets, results):
+            _, slot, sizes, strides, offset, dtype = self.leaf_specs[leaf]
+            value = _cast(value, sizes, dtype)
+            if flats[slot].dtype != value.dtype:
+                value = _retype(value, flats[slot].dtype)
+            flats[slot] = views.write(flats[slot], value, sizes, strides, offset)
+        return [flats[s] for s in self.written_slots]
+
+
+def _weak(x):
+    return _lax._convert_element_type(x, _F64, weak_type=True)  # noqa: SLF001
+
+
+def _cast(value, shape, dtype):
+    want = tops.to_jax_dtype(dtype)
+    value = jnp.asarray(value)
+    if value.dtype != want:
+        value = value.astype(want)
+    if tuple(value.shape) != tuple(shape):
+        value = jnp.broadcast_to(value, tuple(shape))
+    return value
+
+
+def _device_mismatch(op, other):
+    return RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                        f"tpu:0 and {other.device}! (when running {op} on the tpu device; move the tensor "
+                        "with .to('tpu') or .cpu())")
+
+
+def _signature(op, args, kwargs, static_floats: bool):
+    """(key, slot buffers, scalar values) of one call; leaves are described, not copied."""
+    leaves, treedef = tree_flatten((args, kwargs))
+    sig = []
+    slot_of: dict[int, int] = {}
+    buffers: list[Buffer] = []
+    scalars: list[float] = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if x.device.type == "tpu":
+                buf = buffer_of(x)
+                slot = slot_of.get(id(buf))
+                if slot is None:
+                    slot = slot_of[id(buf)] = len(buffers)
+                    buffers.append(buf)
+                sig.append(("T", slot, tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype))
+            elif x.dim() == 0 and x.device.type == "cpu":
+                if x.dtype.is_floating_point and not static_floats:
+                    sig.append(("C", len(scalars), x.dtype))
+                    scalars.append(float(x.item()))
+                else:
+                    sig.append(("I", x.item(), x.dtype))
+            else:
+                raise _device_mismatch(op, x)
+        elif type(x) is float and not static_floats:
+            sig.append(("F", len(scalars)))
+            scalars.append(x)
+        else:
+            sig.append(("S", x if not isinstance(x, list) else tuple(x)))
+    slots = tuple((b.numel, b.dtype, b.value is None) for b in buffers)
+    key = (op, treedef, tuple(sig), slots, static_floats)
+    return key, leaves, buffers, scalars
+
+
+def _meta_of(x):
+    if isinstance(x, torch.Tensor) and x.device.type == "tpu":
+        return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.device) and x.type == "tpu":
+        return torch.device("meta")
+    return x
+
+
+def _build(op, key, leaves):
+    _, treedef, sig, slots, static_floats = key
+    # torch's own shape/dtype checks and result metadata, once per signature
+    meta_leaves = [_meta_of(x) for x in leaves]
+    margs, mkwargs = tree_unflatten(meta_leaves, treedef)
+    try:
+        meta = op(*margs, **mkwargs)
+    except NotImplementedError as e:
+        if "Meta" not in str(e) and "meta" not in str(e):
+            raise
+        meta = _NO_META  # no meta kernel: JAX's abstract evaluation gives the shapes (or they depend on data)
+    schema = op._schema  # noqa: SLF001
+    mutated = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    if mutated:
+        functional = _FUNCTIONAL_ALIASES.get(op) or tops.functional_of(op)
+        if functional is None:
+            raise tops.UnsupportedOp(op, " (a mutating op with no functional twin)")
+        form = "out" if any(schema.arguments[i].is_out for i in mutated) else "inplace"
+        # leaf indices of the mutated arguments, in schema order
+        args, kwargs = tree_unflatten(list(range(len(leaves))), treedef)
+        targets = []
+        for i in mutated:
+            a = schema.arguments[i]
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            targets.extend(tree_flatten(value)[0])
+        for t in targets:
+            if sig[t][0] != "T":
+                raise _device_mismatch(op, leaves[t])
+        # out= with a shape change: the meta kernel resized the meta out tensor
+        for t in targets:
+            mt = meta_leaves[t]
+            if tuple(mt.shape) != sig[t][2]:
+                raise NotImplementedError(f"{op}: resizing an out= tensor from {sig[t][2]} to {tuple(mt.shape)} "
+                                          "is not supported on the tpu device; pass an out tensor of the "
+                                          "result's shape")
+        fresh = []
+        returns = ("targets", len(schema.returns))
+    elif meta is _NO_META:
+        functional, form, targets, fresh, returns = op, "functional", [], None, None
+    else:
+        functional, form, targets = op, "functional", []
+        flat_meta, meta_def = tree_flatten(meta)
+        if not all(isinstance(m, torch.Tensor) for m in flat_meta):
+            raise _DataDependent()
+        fresh = [(tuple(m.shape), m.dtype) for m in flat_meta]
+        returns = ("fresh", meta_def)
+    n_scalars = sum(1 for s in sig if s[0] in ("F", "C"))
+    random = torch.Tag.nondeterministic_seeded in functional.tags
+    specs = list(sig)
+    kernel = Kernel(op, functional, form, treedef, specs, [(n, d) for n, d, _ in slots], targets,
+                    n_scalars, random, fresh, returns)
+    # trace once now: a missing lowering or a lowering error is raised here, at the op
+    sc = jax.ShapeDtypeStruct((n_scalars + 2 * random,), _F64)
+    arrays = [None if uninit else jax.ShapeDtypeStruct((n,), tops.to_jax_dtype(d)) for n, d, uninit in slots]
+    with jax.enable_x64(True):
+        if fresh is None:
+            try:
+                shapes = jax.eval_shape(kernel.discover, arrays, sc)
+            except (jax.errors.ConcretizationTypeError, TypeError) as e:
+                raise _DataDependent() from e
+            kernel.fresh = [(tuple(s.shape), tops.to_torch_dtype(s.dtype)) for s in shapes]
+            kernel.returns = ("fresh", kernel.result_def)
+        jax.eval_shape(kernel.trace, arrays, sc)
+    return kernel
+
+
+_NO_META = object()
+
+
+class _DataDependent(Exception):
+    """The op's result is not a tensor of known shape (item, equal, nonzero ...): run it concretely."""
+
+
+def kernel_for(op, args, kwargs):
+    static = op in _STATIC_FLOAT_OPS
+    key, leaves, buffers, scalars = _signature(op, args, kwargs, static)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        rt.stats["misses"] += 1
+        try:
+            kernel = _build(op, key, leaves)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+                jax.errors.TracerIntegerConversionError):
+            if static:
+                raise
+            _STATIC_FLOAT_OPS.add(op)
+            return kernel_for(op, args, kwargs)
+        _KERNELS[key] = kernel
+    else:
+        rt.stats["hits"] += 1
+    return kernel, leaves, buffers, scalars
+
+
+def result_of(kernel, leaves, fresh_tensors):
+    kind, info = kernel.returns
+    if kind == "fresh":
+        return tree_unflatten(fresh_tensors, info)
+    targets = [leaves[i] for i in kernel.targets]
+    if info == 0:
+        return None
+    if info == 1:
+        return targets[0]
+    return tuple(targets[:info])
+
+
+# -- execution ---------------------------------------------------------------------------------------
+
+
+def execute(op, args, kwargs):
+    """Run one non-view op on tpu tensors in the current eager mode."""
+    mode = rt.get_mode()
+    try:
+        kernel, leaves, buffers, scalars = kernel_for(op, args, kwargs)
+    except _DataDependent:
+        return run_concrete(op, args, kwargs)
+    except tops.UnsupportedOp:
+        if rt.cpu_fallback():
+            return run_on_cpu(op, args, kwargs)
+        raise
+    if kernel.random:
+        scalars = scalars + list(rt.next_rng())
+    if mode == "fused":
+        from tpudist.device import _fused
+
+        return _fused.record(kernel, leaves, buffers, scalars)
+    if any(isinstance(b.value, Lazy) for b in buffers):
+        flush()
+    if mode == "debug":
+        check_indices(op, args, kwargs)
+    sc = np.asarray(scalars, _F64) if scalars else np.zeros((0,), _F64)
+    arrays = [b.value for b in buffers]
+    try:
+        with jax.enable_x64(True):
+            outs = kernel.jitted(arrays, sc)
+        if mode == "debug":
+            jax.block_until_ready(outs)
+    except Exception as e:
+        raise type(e)(f"{op} failed on the tpu device: {e}") from e
+    rt.stats["ops"] += 1
+    for slot, value in zip(kernel.written_slots, outs):
+        buffers[slot].value = value
+    fresh = [new_tensor(shape, dtype, outs[i]) for i, (shape, dtype) in enumerate(kernel.fresh)]
+    if mode == "debug" and rt.nan_check():
+        check_nans(op, outs)
+    return result_of(kernel, leaves, fresh)
+
+
+def check_nans(op, outs):
+    for o in outs:
+        if jnp.issubdtype(o.dtype, jnp.inexact) and bool(jnp.isnan(o).any()):
+            raise FloatingPointError(f"{op} produced NaN on the tpu device (debug mode NaN check; turn it "
+                                     "off with torch.tpu.set_nan_check(False))")
+
+
+_INDEX_OPS = {
+    aten.embedding.default: (1, 0, 0),      # (index arg, source arg, source dim)
+    aten.index_select.default: (2, 0, None),
+    aten.gather.default: (2, 0, None),
+}
+
+
+def check_indices(op, args, kwargs):
+    """Debug mode: JAX clamps out-of-range indices silently; torch raises. Check them on the host."""
+    spec = _INDEX_OPS.get(op)
+    if spec is None:
+        return
+    index_arg, source_arg, dim = spec
+    index, source = args[index_arg], args[source_arg]
+    if dim is None:
+        dim = args[1] if op in (aten.index_select.default, aten.gather.default) else 0
+    size = source.shape[dim]
+    values = np.asarray(value_of(index))
+    if values.size and (values.min() < -size or values.max() >= size or
+                        (op is aten.embedding.default and values.min() < 0)):
+        bad = values.max() if values.max() >= size else values.min()
+        raise IndexError(f"{op}: index {int(bad)} is out of range for dimension {dim} of size {size} "
+                         "(index out of range in self; debug mode checks indices that XLA would clamp)")
+
+
+def run_concrete(op, args, kwargs):
+    """Ops whose results are not tensors of a known shape: run on concrete arrays, no jit."""
+    flush()
+    leaves, treedef = tree_flatten((args, kwargs))
+    vals = []
+    for x in leaves:
+        if is_tpu(x):
+            vals.append(value_of(x))
+        elif isinstance(x, torch.Tensor):
+            if x.dim() != 0:
+                raise _device_mismatch(op, x)
+            vals.append(jnp.asarray(x.item(), tops.to_jax_dtype(x.dtype)))
+        else:
+            vals.append(x)
+    a, k = tree_unflatten(vals, treedef)
+    with jax.enable_x64(True):
+        result = tops.call(op, *a, **k)
+    rt.stats["concrete_ops"] += 1
+
+    def wrap(r):
+        if isinstance(r, (jax.Array, np.ndarray)):
+            with jax.enable_x64(True):
+                r = jax.device_put(jnp.asarray(r), rt.device())
+            return new_tensor(r.shape, tops.to_torch_dtype(r.dtype), r.reshape(-1))
+        return r
+
+    out, out_def = tree_flatten(result)
+    return tree_unflatten([wrap(r) for r in out], out_def)
+
+
+def to_cpu(t: torch.Tensor) -> torch.Tensor:
+    return to_torch(value_of(t)).reshape(t.shape)
+
+
+def run_on_cpu(op, args, kwargs):
+    """The CPU fallback: copy tpu tensors to the host, run torch's CPU kernel, copy results back."""
+    flush()
+    rt.warn_fallback(str(op))
+    leaves, treedef = tree_flatten((args, kwargs))
+    cpu_leaves = [to_cpu(x) if is_tpu(x) else x for x in leaves]
+    a, k = tree_unflatten(cpu_leaves, treedef)
+    result = op(*a, **k)
+    # write mutated tensors back
+    for x, c in zip(leaves, cpu_leaves):
+        if is_tpu(x):
+            copy_from_cpu(x, c)
+    by_id = {id(c): x for x, c in zip(leaves, cpu_leaves) if is_tpu(x)}
+    out, out_def = tree_flatten(result)
+    return tree_unflatten([by_id.get(id(r), r if not isinstance(r, torch.Tensor) else from_cpu(r))
+                           for r in out], out_def)
+
+
+def from_cpu(t: torch.Tensor) -> torch.Tensor:
+    return new_tensor(tuple(t.shape), t.dtype, to_jax(t))
+
+
+def copy_from_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst (tpu) <- src (cpu), broadcasting and casting like copy_."""
+    src = src.detach().to(dst.dtype).expand(dst.shape)
+    buf = buffer_of(dst)
+    if (dst.is_contiguous() and dst.storage_offset() == 0 and dst.numel() == buf.numel
+            and dst.dtype == buf.dtype):
+        if isinstance(buf.value, Lazy):
+            flush()
+        buf.value = to_jax(src)
+        return
+    tmp = from_cpu(src)
+    execute(aten.copy_.default, (dst, tmp), {})
+
+
+# -- fused-graph hooks (the fused engine lives in _fused) ------------------------------------------
+
+
+class Lazy:
+    """A storage value that a pending fused graph will compute."""
+
+    __slots__ = ("graph", "index")
+
+    def __init__(self, graph, index):
+        self.graph, self.index = graph, index
+
+
+def flush() -> None:
+    """Run the pending fused graph, if any (a sync point)."""
+    from tpudist.device import _fused
+
+    _fused.flush()
+

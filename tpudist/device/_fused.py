@@ -1,0 +1,154 @@
+"""Fused mode: ops are recorded and run as one XLA program at a sync point.
+
+Each recorded op is a ``Kernel`` (the same one Strict mode jits per op) plus where its storages come
+from: a program input (a concrete array), an earlier op's output (``Lazy``), or nothing (an unwritten
+storage). At a sync point (``.item()``, ``.cpu()``, printing, the end of ``optimizer.step()``, the
+graph-size cap, a mode change) the graph runs as one ``jax.jit`` program whose outputs are the latest
+values of the storages still alive. Programs are cached by a structural key: the kernel ids and
+their input wiring plus which values are live. Python floats (lr, AdamW's bias corrections) and RNG
+counters are one float64 input vector, so a steady-state training step compiles nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+
+import jax
+import numpy as np
+
+from tpudist.device import _runtime as rt
+from tpudist.device._core import Lazy, new_tensor, result_of
+
+_CAP_ENV = "TPUDIST_FUSED_MAX_OPS"
+_PROGRAMS: dict = {}
+
+
+class Graph:
+    def __init__(self):
+        self.nodes: list = []      # (kernel, refs, scalar base)
+        self.sig: list = []        # (kernel id, refs): the structural key, built as ops are recorded
+        self.inputs: list = []     # concrete jax.Arrays the program reads
+        self.input_of: dict = {}   # id(array) -> input index
+        self.scalars: list = []
+        self.written: list = []    # weakrefs to buffers whose value is (or was) a Lazy of this graph
+        self.num_values = 0
+
+
+_graph: Graph | None = None
+
+
+def max_ops() -> int:
+    return int(os.environ.get(_CAP_ENV, "20000"))
+
+
+def record(kernel, leaves, buffers, scalars):
+    global _graph
+    g = _graph
+    if g is None:
+        g = _graph = Graph()
+    refs = []
+    for b in buffers:
+        v = b.value
+        if v is None:
+            refs.append(None)
+        elif isinstance(v, Lazy):
+            if v.graph is not g:
+                raise AssertionError("a value of an older fused graph is still pending")
+            refs.append(v.index)
+        else:
+            idx = g.input_of.get(id(v))
+            if idx is None:
+                idx = g.input_of[id(v)] = len(g.inputs)
+                g.inputs.append(v)
+            refs.append(-1 - idx)
+    refs = tuple(refs)
+    base = len(g.scalars)
+    g.scalars.extend(scalars)
+    g.nodes.append((kernel, refs, base))
+    g.sig.append((kernel.id, refs))
+    first = g.num_values
+    n_out = len(kernel.written_slots) + len(kernel.fresh)
+    g.num_values += n_out
+    for j, slot in enumerate(kernel.written_slots):
+        b = buffers[slot]
+        b.value = Lazy(g, first + j)
+        g.written.append(weakref.ref(b))
+    fresh = []
+    start = first + len(kernel.written_slots)
+    for j, (shape, dtype) in enumerate(kernel.fresh):
+        t = new_tensor(shape, dtype, Lazy(g, start + j))
+        from tpudist.device._core import buffer_of
+
+        g.written.append(weakref.ref(buffer_of(t)))
+        fresh.append(t)
+    rt.stats["recorded_ops"] += 1
+    out = result_of(kernel, leaves, fresh)
+    if len(g.nodes) >= max_ops():
+        flush()
+    return out
+
+
+def _program(nodes, live):
+    def run(inputs, sc):
+        env = []
+        for kernel, refs, base in nodes:
+            arrays = [None if r is None else (env[r] if r >= 0 else inputs[-1 - r]) for r in refs]
+            env.extend(kernel.trace(arrays, sc, base))
+        return [env[i] for i in live]
+
+    return jax.jit(run)
+
+
+def flush() -> None:
+    """Run the pending graph (a sync point); a no-op when nothing is pending."""
+    global _graph
+    with rt.LOCK:
+        g = _graph
+        if g is None:
+            return
+        _graph = None
+        t0 = time.perf_counter()
+        live, bufs, seen = [], [], set()
+        for w in g.written:
+            b = w()
+            if b is None or id(b) in seen:
+                continue
+            v = b.value
+            if isinstance(v, Lazy) and v.graph is g:
+                seen.add(id(b))
+                live.append(v.index)
+                bufs.append(b)
+        key = (tuple(g.sig), tuple(live))
+        rt.stats["graph_key_s"] += time.perf_counter() - t0
+        program = _PROGRAMS.get(key)
+        if program is None:
+            program = _PROGRAMS[key] = _program(g.nodes, live)
+            rt.stats["programs"] += 1
+            compiling = True
+        else:
+            compiling = False
+        sc = np.asarray(g.scalars, np.float64) if g.scalars else np.zeros((0,), np.float64)
+        t1 = time.perf_counter()
+        try:
+            with jax.enable_x64(True):
+                outs = program(g.inputs, sc)
+        except Exception as e:
+            ops = ", ".join(sorted({str(k.op) for k, _, _ in g.nodes}))
+            for b in bufs:  # the values are lost; leave the storages unwritten rather than pending
+                b.value = None
+            raise type(e)(f"the fused program of {len(g.nodes)} ops failed at the sync point: {e} "
+                          f"(ops in the program: {ops}; set_eager_mode('debug') raises at the faulty op)") from e
+        if compiling:
+            rt.stats["compile_s"] += time.perf_counter() - t1
+        rt.stats["syncs"] += 1
+        rt.stats["fused_ops"] += len(g.nodes)
+        for b, value in zip(bufs, outs):
+            b.value = value
+        if rt.get_mode() == "debug":
+            jax.block_until_ready(outs)
+
+
+def pending_ops() -> int:
+    return 0 if _graph is None else len(_graph.nodes)

@@ -1,0 +1,186 @@
+"""The PrivateUse1 registrations: views through Meta, memory and copy ops by hand, the rest generic.
+
+Every op that has a lowering in ``tpudist.ops`` (and its in-place and ``out=`` twins) gets our
+kernel directly, so structured ops do not detour through ``.out``; anything else reaches the same
+kernel through the PrivateUse1 fallback (custom namespaces included: a lowering registered later by
+``tpudist.kernels`` works without re-registration).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import tpudist.ops as tops
+from tpudist.device import _core as core
+from tpudist.device import _runtime as rt
+from tpudist.device import views
+
+aten = torch.ops.aten
+_LIBS: list = []
+
+
+@functools.lru_cache(maxsize=None)
+def is_view_op(op) -> bool:
+    schema = op._schema  # noqa: SLF001
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return False
+    return any(r.alias_info is not None for r in schema.returns)
+
+
+def view_kernel(op, *args, **kwargs):
+    with rt.LOCK:
+        return op.redispatch(core.META, *args, **kwargs)
+
+
+def generic_kernel(op, *args, **kwargs):
+    special = _SPECIAL.get(op)
+    if special is not None:
+        with rt.LOCK:
+            return special(*args, **kwargs)
+    if is_view_op(op):
+        return view_kernel(op, *args, **kwargs)
+    with rt.LOCK:
+        return core.execute(op, args, kwargs)
+
+
+# -- memory, copies, scalars -------------------------------------------------------------------------
+
+
+def _dtype(dtype):
+    return dtype if dtype is not None else torch.get_default_dtype()
+
+
+def empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+        t = core.new_tensor(size, _dtype(dtype))
+        return t  # channels_last etc.: contiguous on the device (strides are not observable in values)
+    return core.new_tensor(size, _dtype(dtype))
+
+
+def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    size, stride = tuple(size), tuple(stride)
+    if views.is_contiguous(size, stride):
+        return core.new_tensor(size, _dtype(dtype))
+    extent = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
+    base = core.new_tensor((extent,), _dtype(dtype))
+    return aten.as_strided.default.redispatch(core.META, base, size, stride, 0)
+
+
+def copy_(dst, src, non_blocking=False):
+    if core.is_tpu(dst):
+        if core.is_tpu(src):
+            return core.execute(aten.copy_.default, (dst, src), {})
+        core.copy_from_cpu(dst, src)
+        return dst
+    # dst on the host, src on the device
+    host = core.to_cpu(src)
+    dst.copy_(host)
+    return dst
+
+
+def to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
+            memory_format=None):
+    target = torch.device(device) if device is not None else x.device
+    if target.type == "tpu":
+        if core.is_tpu(x):
+            return core.execute(aten._to_copy.default, (x,), {"dtype": dtype})
+        out = core.from_cpu(x if dtype is None else x.to(dtype))
+        return out
+    host = core.to_cpu(x)
+    return host.to(device=target, dtype=dtype if dtype is not None else host.dtype)
+
+
+def local_scalar_dense(x):
+    return core.to_cpu(x).item()
+
+
+def fused_sdp_choice(*args, **kwargs):
+    return int(torch.nn.attention.SDPBackend.MATH)  # SDPA's math path: decomposes into lowered ops
+
+
+def resize_(x, size, *, memory_format=None):
+    size = tuple(size)
+    if size == tuple(x.shape):
+        return x
+    buf = core.buffer_of(x)
+    need = x.storage_offset() + (torch.Size(size).numel())
+    if need > buf.numel:
+        if buf.value is not None:
+            raise NotImplementedError(
+                f"growing a tpu tensor in place from {tuple(x.shape)} to {size} is not supported; "
+                "allocate a new tensor (torch.empty(..., device='tpu'))")
+        buf.numel = need
+    return aten.resize_.default.redispatch(core.META, x, size)
+
+
+def set_source_tensor(x, source):
+    return aten.set_.source_Tensor.redispatch(core.META, x, source)
+
+
+def record_stream(x, stream):
+    return None
+
+
+_SPECIAL = {
+    aten.empty.memory_format: empty,
+    aten.empty_strided.default: empty_strided,
+    aten.copy_.default: copy_,
+    aten._to_copy.default: to_copy,
+    aten._local_scalar_dense.default: local_scalar_dense,
+    aten._fused_sdp_choice.default: fused_sdp_choice,
+    aten.resize_.default: resize_,
+    aten.set_.source_Tensor: set_source_tensor,
+    aten.record_stream.default: record_stream,
+}
+
+# View ops with no composite kernel (the others, detach/expand/transpose..., run torch's C++ composite,
+# which ends in as_strided). Tensors made by C++ have no Python object yet: Parameter() needs that.
+_VIEW_OPS = (
+    aten.view.default, aten._reshape_alias.default, aten.as_strided.default, aten.unfold.default,
+    aten.view_as_real.default,
+)
+
+
+def _twins(op) -> list:
+    """The in-place and out= overloads whose functional twin is ``op``."""
+    name = op._schema.name.split("::")  # noqa: SLF001
+    if name[0] != "aten":
+        return []
+    found = []
+    for packet_name in (name[1] + "_", name[1]):
+        packet = getattr(torch.ops.aten, packet_name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            candidate = getattr(packet, overload)
+            if candidate is not op and candidate._schema.is_mutable and tops.functional_of(candidate) == op:  # noqa: SLF001
+                found.append(candidate)
+    return found
+
+
+def register() -> None:
+    """Install the PrivateUse1 kernels (once, from ``tpudist.device``'s import)."""
+    lib = torch.library.Library("aten", "IMPL")
+    fallback_lib = torch.library.Library("_", "IMPL")
+    _LIBS.extend([lib, fallback_lib])
+    done = set()
+
+    def impl(op, fn):
+        name = op.name()
+        if name in done:
+            return
+        done.add(name)
+        lib.impl(name.split("::")[1], fn, "PrivateUse1", with_keyset=False)
+
+    for op in _SPECIAL:
+        impl(op, functools.partial(generic_kernel, op))
+    for op in _VIEW_OPS:
+        impl(op, functools.partial(view_kernel, op))
+    for op in tops.lowered_ops():
+        if op._schema.name.startswith("aten::") and op.name() not in done and not is_view_op(op):  # noqa: SLF001
+            impl(op, functools.partial(generic_kernel, op))
+            for twin in _twins(op):
+                impl(twin, functools.partial(generic_kernel, twin))
+    fallback_lib.fallback(generic_kernel, "PrivateUse1")

@@ -1,0 +1,126 @@
+"""Process-wide device state: the JAX device, the lock, the eager mode, the RNG, the counters.
+
+Nothing here touches JAX until the first tensor needs the device: in a "tpu" process-group world
+``jax.distributed.initialize`` must run before any JAX backend starts, so the device is looked up
+lazily (the rank's chip once the process group booted JAX, else ``jax.local_devices()[0]``).
+Backward runs on autograd's device thread, so all state is process-global and guarded by ``LOCK``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections import Counter
+
+LOCK = threading.RLock()
+MODES = ("debug", "strict", "fused")
+_MODE_ENV = "TPUDIST_EAGER_MODE"
+
+_device = None
+_mode: str | None = None
+_nan_check = os.environ.get("TPUDIST_DEBUG_NANS", "") == "1"
+_cpu_fallback = os.environ.get("TPUDIST_CPU_FALLBACK", "") == "1"
+seed = 0
+counter = 0  # random ops drawn since the last seed: each op's key is fold_in(key(seed), counter)
+stats = Counter()
+fallback_ops = Counter()
+_warned: set[str] = set()
+
+
+class DeviceInitError(RuntimeError):
+    """The tpu device was used in a way that prevents the JAX runtime from starting."""
+
+
+def device():
+    """The JAX device behind "tpu" (looked up on first use, never at import)."""
+    global _device
+    if _device is not None:
+        return _device
+    with LOCK:
+        if _device is not None:
+            return _device
+        from tpudist.jax_cache import enable_persistent_cache
+        from tpudist.process_group import runtime
+
+        if runtime.is_booted():
+            _device = runtime.current().local_device
+        else:
+            world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+            if world > 1:
+                raise DeviceInitError(
+                    f"the tpu device was used before torch.distributed.init_process_group(\"tpu\") in a "
+                    f"world of WORLD_SIZE={world}: JAX's distributed runtime must start before any JAX "
+                    "backend, and using the device starts one. Call init_process_group(\"tpu\") before "
+                    "creating tpu tensors (or unset WORLD_SIZE for a single-process run).")
+            import jax
+
+            _device = jax.local_devices()[0]
+        enable_persistent_cache()
+        return _device
+
+
+def reset_device() -> None:
+    """Forget the device (after the process group's world was destroyed)."""
+    global _device
+    _device = None
+
+
+def get_mode() -> str:
+    global _mode
+    if _mode is None:
+        value = os.environ.get(_MODE_ENV, "strict").lower()
+        if value not in MODES:
+            raise ValueError(f"{_MODE_ENV}={value!r} is not an eager mode: use one of {', '.join(MODES)}")
+        _mode = value
+    return _mode
+
+
+def set_mode(mode: str) -> None:
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not an eager mode: use one of {', '.join(MODES)}")
+    _mode = mode
+
+
+def nan_check() -> bool:
+    return _nan_check
+
+
+def set_nan_check(on: bool) -> None:
+    global _nan_check
+    _nan_check = bool(on)
+
+
+def cpu_fallback() -> bool:
+    if os.environ.get("TPUDIST_STRICT_OPS", "") == "1":
+        return False
+    return _cpu_fallback
+
+
+def set_cpu_fallback(on: bool) -> None:
+    global _cpu_fallback
+    if on and os.environ.get("TPUDIST_STRICT_OPS", "") == "1":
+        raise ValueError("TPUDIST_STRICT_OPS=1 forbids the CPU fallback; unset it to allow ops without a "
+                         "lowering to run on the CPU")
+    _cpu_fallback = bool(on)
+
+
+def warn_fallback(name: str) -> None:
+    fallback_ops[name] += 1
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"aten op {name} has no JAX lowering: it ran on the CPU (copying its tensors to the "
+                      "host and back). Add a lowering with @tpudist.ops.lowers to keep it on the device.",
+                      stacklevel=4)
+
+
+def next_rng() -> tuple[int, int]:
+    global counter
+    counter += 1
+    return seed, counter
+
+
+def manual_seed(value: int) -> None:
+    global seed, counter
+    seed, counter = int(value) & 0xFFFFFFFF, 0

@@ -1,0 +1,154 @@
+"""Views over a flat storage, as static slices and reshapes (no gathers or scatters where avoidable).
+
+A "tpu" tensor is ``(sizes, strides, storage_offset)`` over its storage, and the storage holds one
+flat ``jax.Array``. ``read`` turns a view into its value; ``write`` puts a value into the elements a
+view covers and returns the new flat storage. A non-overlapping strided view (slices, transposes,
+narrows, selects: every view torch's view ops produce except ``unfold``-like overlaps) is walked dim
+by dim, outermost stride first: reshape the covered span to ``(size, stride)`` rows, keep the first
+column(s), recurse. Everything is static, so XLA sees slices, reshapes and dynamic_update_slice
+with constant offsets (an index scatter would cost ~1 ms per write on XLA:CPU; FACTS.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+Geometry = tuple  # (sizes, strides, offset)
+
+
+def contiguous_strides(sizes) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(tuple(sizes)):
+        strides.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(strides))
+
+
+def is_contiguous(sizes, strides) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(tuple(sizes)), reversed(tuple(strides))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _plan(sizes, strides):
+    """Dims that matter (size > 1, stride > 0), outermost stride first; None if they overlap."""
+    dims = [d for d, (n, s) in enumerate(zip(sizes, strides)) if n > 1 and s > 0]
+    dims.sort(key=lambda d: -strides[d])
+    for outer, inner in zip(dims, dims[1:]):
+        if strides[outer] < strides[inner] * sizes[inner]:
+            return None
+    return dims
+
+
+def _span(flat, offset, length):
+    """``flat[offset:offset+length]``, zero-padded past the end (the padding is never read back)."""
+    n = flat.shape[0]
+    end = min(n, offset + length)
+    part = lax.slice(flat, (offset,), (end,)) if (offset, end) != (0, n) else flat
+    if end - offset < length:
+        part = jnp.pad(part, (0, length - (end - offset)))
+    return part
+
+
+def _rows_read(block, sizes, strides):
+    """block: (*lead, L); returns (*lead, *sizes) picking the strided elements of each row."""
+    if not sizes:
+        return block[..., 0]
+    size, stride = sizes[0], strides[0]
+    lead = block.shape[:-1]
+    need = size * stride
+    if block.shape[-1] < need:
+        block = jnp.pad(block, [(0, 0)] * len(lead) + [(0, need - block.shape[-1])])
+    sub = block[..., :need].reshape(*lead, size, stride)
+    return _rows_read(sub, sizes[1:], strides[1:])
+
+
+def _rows_write(block, value, sizes, strides):
+    """Writes value (*lead, *sizes) into the strided elements of block's rows (*lead, L)."""
+    lead = block.shape[:-1]
+    zeros = (0,) * block.ndim
+    if not sizes:
+        return lax.dynamic_update_slice(block, value[..., None].astype(block.dtype), zeros)
+    size, stride = sizes[0], strides[0]
+    need = size * stride
+    length = block.shape[-1]
+    if length < need:
+        block = jnp.pad(block, [(0, 0)] * len(lead) + [(0, need - length)])
+    sub = block[..., :need].reshape(*lead, size, stride)
+    sub = _rows_write(sub, value, sizes[1:], strides[1:])
+    block = lax.dynamic_update_slice(block, sub.reshape(*lead, need), zeros)
+    return block[..., :length] if length < need else block
+
+
+def read(flat, sizes, strides, offset):
+    """The value of the view ``(sizes, strides, offset)`` of the flat storage array ``flat``."""
+    sizes, strides = tuple(sizes), tuple(strides)
+    numel = math.prod(sizes)
+    if numel == 0:
+        return jnp.zeros(sizes, flat.dtype)
+    if is_contiguous(sizes, strides):
+        return _span(flat, offset, numel).reshape(sizes)
+    dims = _plan(sizes, strides)
+    if dims is None:  # overlapping view (unfold, as_strided tricks): one gather
+        index = np.full((), offset, np.int64)
+        for n, s in zip(sizes, strides):
+            index = index[..., None] + np.arange(n) * s
+        return flat[index]
+    if not dims:
+        value = _span(flat, offset, 1).reshape(())
+    else:
+        sub_sizes = [sizes[d] for d in dims]
+        sub_strides = [strides[d] for d in dims]
+        first = sub_sizes[0] * sub_strides[0]
+        block = _span(flat, offset, first).reshape(sub_sizes[0], sub_strides[0])
+        value = _rows_read(block, sub_sizes[1:], sub_strides[1:])
+        # value has shape (sub_sizes...); put the dims back in the view's order
+        order = [dims.index(d) for d in sorted(dims)]
+        value = jnp.transpose(value, order) if order != sorted(order) else value
+    kept = sorted(dims)
+    shape_kept = [sizes[d] if d in kept else 1 for d in range(len(sizes))]
+    value = value.reshape(shape_kept)
+    return jnp.broadcast_to(value, sizes) if tuple(shape_kept) != sizes else value
+
+
+def write(flat, value, sizes, strides, offset):
+    """``flat`` with the elements of the view ``(sizes, strides, offset)`` replaced by ``value``."""
+    sizes, strides = tuple(sizes), tuple(strides)
+    numel = math.prod(sizes)
+    value = jnp.broadcast_to(value.astype(flat.dtype), sizes)
+    if numel == 0:
+        return flat
+    if is_contiguous(sizes, strides):
+        if offset == 0 and numel == flat.shape[0]:
+            return value.reshape(-1)
+        return lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
+    dims = _plan(sizes, strides)
+    if dims is None:
+        raise NotImplementedError(
+            f"writing through an overlapping view (sizes={sizes}, strides={strides}) is not supported "
+            "on the tpu device; torch also refuses most writes to overlapping memory: clone() first")
+    for d in range(len(sizes)):
+        if sizes[d] > 1 and strides[d] == 0:
+            raise RuntimeError("unsupported operation: more than one element of the written-to tensor "
+                               "refers to a single memory location. Please clone() the tensor before "
+                               "performing the operation.")
+    if not dims:
+        return lax.dynamic_update_slice(flat, value.reshape(1), (offset,))
+    value = value.reshape([sizes[d] for d in sorted(dims)])
+    kept = sorted(dims)
+    value = jnp.transpose(value, [kept.index(d) for d in dims])  # outermost stride first
+    sub_sizes = [sizes[d] for d in dims]
+    sub_strides = [strides[d] for d in dims]
+    first = sub_sizes[0] * sub_strides[0]
+    n = flat.shape[0]
+    block = _span(flat, offset, first).reshape(sub_sizes[0], sub_strides[0])
+    block = _rows_write(block, value, sub_sizes[1:], sub_strides[1:]).reshape(-1)
+    keep = min(first, n - offset)
+    return lax.dynamic_update_slice(flat, block[:keep], (offset,))
