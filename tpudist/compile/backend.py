@@ -48,11 +48,8 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None
     if mode not in (None, "default"):
         warnings.warn(f"torch.compile(backend='tpu') ignores mode={mode!r}", stacklevel=2)
     check_static(gm, example_inputs)
-    from tpudist.compile import collectives
-
-    graph_collectives = collectives.for_graph(gm)
     try:
-        return _aot(gm, example_inputs, graph_collectives)
+        return _aot(gm, example_inputs)
     except MissingOpError as e:
         if opts.on_missing_op != "graph_break":
             raise
@@ -131,12 +128,13 @@ def _partition(joint, joint_inputs, **kwargs):
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
-def _compiler(kind: str, graph_collectives):
+def _compiler(kind: str):
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list):
+        from tpudist.compile import collectives
         from tpudist.compile.program import GraphProgram
 
         raise_if_missing(gm.graph)
-        return GraphProgram(gm, list(example_inputs), name=kind, collectives=graph_collectives)
+        return GraphProgram(gm, list(example_inputs), name=kind, collectives=collectives.for_graph(gm))
 
     return compile_graph
 
@@ -151,13 +149,13 @@ def _math_sdpa():
         yield
 
 
-def _aot(gm: torch.fx.GraphModule, example_inputs: list, graph_collectives):
+def _aot(gm: torch.fx.GraphModule, example_inputs: list):
     from torch._dynamo.backends.common import aot_autograd
 
     compiler = aot_autograd(
-        fw_compiler=_compiler("forward", graph_collectives),
-        bw_compiler=_compiler("backward", graph_collectives),
-        inference_compiler=_compiler("inference", graph_collectives),
+        fw_compiler=_compiler("forward"),
+        bw_compiler=_compiler("backward"),
+        inference_compiler=_compiler("inference"),
         partition_fn=_partition,
         decompositions=_decompositions(),
     )

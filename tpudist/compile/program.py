@@ -47,7 +47,8 @@ class Stats:
     disk_hits: int = 0
     compile_seconds: float = 0.0  # tracing + lowering + XLA (or loading from disk)
     calls: int = 0
-    by_graph: dict = field(default_factory=dict)
+    # per program with collectives: (graph name, the XLA collective instructions its HLO holds)
+    collective_programs: list = field(default_factory=list)
 
     def snapshot(self) -> dict:
         return {k: getattr(self, k) for k in ("graphs", "programs_compiled", "memory_hits", "disk_hits",
@@ -159,7 +160,7 @@ class GraphProgram:
         import jax
 
         h.update(repr((jax.__version__, torch.__version__, os.environ.get("XLA_FLAGS", ""),
-                       self._device.platform, self._device.id)).encode())
+                       self._device.platform)).encode())
         return h.hexdigest()[:32]
 
     def _executable(self) -> _Executable:
@@ -196,12 +197,23 @@ class GraphProgram:
             num_keys[0] = source.num_drawn
             return outs
 
-        fn = program if self._collectives is None else self._collectives.wrap(program, len(self._avals))
         key_aval = jax.ShapeDtypeStruct((2,), np.uint32)
         const_avals = [jax.ShapeDtypeStruct(tuple(v.shape), _jax_dtype(v.dtype)) for _, v in self._constants]
+        avals = list(self._avals)
+        fn = program
+        if self._collectives is not None:
+            fn = self._collectives.wrap(program, len(avals))
+            key_aval, const_avals, avals = (self._collectives.global_aval(key_aval),
+                                            [self._collectives.global_aval(a) for a in const_avals],
+                                            [self._collectives.global_aval(a) for a in avals])
         with jax.enable_x64(True):
-            lowered = jax.jit(fn).lower(key_aval, const_avals, *self._avals)
+            lowered = jax.jit(fn).lower(key_aval, const_avals, *avals)
             compiled = lowered.compile()
+        if self._collectives is not None:
+            text = compiled.as_text()
+            found = sorted({op for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                                          "collective-permute") if f" {op}(" in text or f"{op}-start(" in text})
+            STATS.collective_programs.append((self.name, tuple(found)))
         return _Executable(compiled, num_keys[0])
 
     # -- the on-disk executable cache (single-device programs) ------------------------------------
@@ -209,7 +221,8 @@ class GraphProgram:
         from tpudist.jax_cache import cache_dir
 
         base = cache_dir()
-        return None if base is None else base / "compile" / f"{self.key}.pkl"
+        # A serialized executable names its device: one file per (graph, device).
+        return None if base is None else base / "compile" / f"{self.key}-{self._device.id}.pkl"
 
     def _load(self) -> _Executable | None:
         path = self._path()
@@ -270,7 +283,7 @@ class GraphProgram:
         STATS.calls += 1
         with jax.enable_x64(True):
             if self._collectives is not None:
-                outs = self._collectives.run(self, tensors, keep)
+                outs = self._collectives.run(self, tensors, keep)  # this rank's blocks: (1, *shape)
             else:
                 arrays = boundary.to_jax(tensors, self._avals, self._sharding, self._device, keep)
                 outs = self._exe.compiled(self._key_data(), self._consts(), *arrays)
@@ -279,7 +292,8 @@ class GraphProgram:
         results = []
         for o in self._outputs:
             if o.kind == "array":
-                results.append(boundary.to_torch(outs[o.index], o.dtype))
+                out = boundary.to_torch(outs[o.index], o.dtype)
+                results.append(out[0] if self._collectives is not None else out)
             elif o.kind == "input":
                 results.append(passthrough[o.index])
             elif o.kind == "none":
@@ -287,10 +301,6 @@ class GraphProgram:
             else:
                 results.append(o.value)
         return results
-
-    def run_local(self, arrays: list) -> list:
-        """The executable on this rank's JAX arrays (used by collectives' runner)."""
-        return self._exe.compiled(self._key_data(), self._consts(), *arrays)
 
 
 # -- the interpreter ---------------------------------------------------------------------------------
