@@ -68,8 +68,10 @@ def bad_input(kind: str):
             dist.reduce_scatter_single(torch.zeros(3), torch.ones(4))
         elif kind == "broadcast_src":
             dist.broadcast(torch.ones(2), src=0, group=dist.group.WORLD, group_src=7)
-        elif kind == "recv_anysource":
-            dist.recv(torch.zeros(2))
+        elif kind == "all_gather_coalesced_layout":  # one list per input instead of one per rank
+            dist.all_gather_coalesced([[torch.zeros(2), torch.zeros(2)]], [torch.ones(2)])
+        elif kind == "sparse_max":
+            dist.all_reduce(torch.eye(2).to_sparse(), dist.ReduceOp.MAX)
         elif kind == "a2a_split_sum":
             dist.all_to_all_single(torch.zeros(4), torch.zeros(4), [1, 1], [3, 3])
         return "no error"

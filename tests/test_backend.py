@@ -47,8 +47,13 @@ def test_ranks_that_disagree_get_an_error_not_garbage(pool, kind, expected):
     ("gather_list_len", "needs a list of size=2 output tensors, got [1]"),
     ("reduce_scatter_size", "ValueError: reduce_scatter_tensor: input has 4 elements (shape (4,)) but 6 "
                             "are needed"),
-    ("recv_anysource", "NotImplementedError: recv from any source cannot be expressed as an XLA "
-                       "collective"),
+    ("all_gather_coalesced_layout", "ValueError: all_gather_coalesced: output_tensor_lists must hold "
+                                    "size=2 lists (one per rank), each with one tensor per input (1 "
+                                    "inputs); got 1 lists of lengths [2]. output_tensor_lists[r][i] "
+                                    "receives rank r's input i."),
+    ("sparse_max", "ValueError: all_reduce: reduce_op=MAX is not supported for sparse tensors: allreduce "
+                   "of sparse tensors only works with ReduceOp.SUM (as on gloo); reduce t.to_dense() "
+                   "instead"),
     ("a2a_split_sum", "ValueError: all_to_all_single: input_split_sizes=[3, 3] must be 2 non-negative "
                       "sizes summing to input.shape[0]=4"),
 ])

@@ -147,7 +147,8 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
                     missing = self._absent_ranks(key.group, seq)
                     raise error(
                         f"{self._describe(op)}: collective #{seq} over global ranks {list(key.group)} "
-                        f"{what.format(missing=missing)}. Rank {self.rank()} saw: {e}") from e
+                        f"{what.format(missing=missing, timeout=self._timeout.total_seconds())}. Rank "
+                        f"{self.rank()} saw: {e}") from e
             raise CollectiveError(f"{self._describe(op)} failed on rank {self.rank()}: {e}") from e
         if result is None or not (fingerprints == fingerprint).all():
             self._programs_run[key.group] -= 1  # nothing ran: keep the ranks' counts aligned
@@ -233,6 +234,12 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
     # -- reductions -------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
+        if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor) and tensors[0].is_sparse:
+            from tpudist.process_group import sparse
+
+            name = _REDUCE_NAMES.get(getattr(opts.reduceOp, "op", opts.reduceOp), str(opts.reduceOp))
+            t = sparse.check_sparse("all_reduce", tensors[0], name)
+            return sparse.sparse_all_reduce(self, t, opts.asyncOp)
         return self._reduce_into("all_reduce", self._one("all_reduce", tensors), opts.reduceOp,
                                  root=None, async_op=opts.asyncOp)
 
@@ -331,9 +338,8 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         return P2P.post(self, "recv", t, self._check_rank("recv", "src", src_rank), tag)
 
     def recv_anysource(self, tensors, tag=0):
-        raise NotImplementedError(
-            "recv from any source cannot be expressed as an XLA collective: both sides of a "
-            "transfer must run the same program. Pass src= to recv/irecv.")
+        # Paired with a sender through the store first, then an ordinary transfer (p2p.py).
+        return P2P.post(self, "recv", self._one("recv", tensors), None, tag)
 
     # -- synchronisation --------------------------------------------------------------------------
     def barrier(self, opts=None):
@@ -368,6 +374,11 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         if self._coalescing is not None:
             self._coalescing.append(work)
             async_op = True
+        if self._timeout.total_seconds() < runtime.current().collective_timeout_s:
+            # XLA's collective timeout is per process (the first world's); a group with a shorter
+            # one runs on the comm thread and whoever waits gets CollectiveTimeout at the group's
+            # timeout. XLA cannot cancel the call: it ends at XLA's timeout (lifecycle.py).
+            async_op = True
         return STREAM.submit(work, task, async_op=async_op)
 
     def shutdown(self) -> None:
@@ -395,8 +406,9 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
 # How XLA's failures read, what tpudist raises for them, and how the message puts it.
 _FAILURES = (
-    (looks_like_timeout, CollectiveTimeout, "did not complete within the timeout; ranks {missing} never "
-                                            "reached it (a rank that is hung elsewhere, took another branch, or died)"),
+    (looks_like_timeout, CollectiveTimeout, "did not complete within the timeout of {timeout:g}s: ranks "
+                                            "{missing} never reached it (a rank that is hung elsewhere, "
+                                            "took another branch, or died)"),
     (looks_like_peer_loss, CollectiveError, "lost its peers; ranks {missing} did not report (they died or hang)"),
 )
 

@@ -65,14 +65,25 @@ class DataMovement:
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """``output_lists[r][k]`` receives rank r's input k (torch's docstring: one list per rank,
+        each holding a slot for every input)."""
+        op = "all_gather_coalesced"
         opts = opts or c10d.AllgatherOptions()
-        inputs = [check_device("all_gather_coalesced", t) for t in input_list]
-        if len(output_lists) != len(inputs):
-            raise ValueError(f"all_gather_coalesced: {len(output_lists)} output lists for "
-                             f"{len(inputs)} inputs; give one list of size={self.size()} per input")
-        check_outputs("all_gather_coalesced", "outputs (the lists joined)",
-                      [t for row in output_lists for t in row])
-        return self._gather_bytes("all_gather_coalesced", inputs, output_lists, opts.asyncOp)
+        inputs = [check_device(op, t) for t in input_list]
+        lengths = [len(row) for row in output_lists]
+        if len(output_lists) != self.size() or any(n != len(inputs) for n in lengths):
+            raise ValueError(
+                f"{op}: output_tensor_lists must hold size={self.size()} lists (one per rank), each "
+                f"with one tensor per input ({len(inputs)} inputs); got {len(output_lists)} lists of "
+                f"lengths {lengths}. output_tensor_lists[r][i] receives rank r's input i.")
+        per_input = [[check_device(op, output_lists[r][k]) for r in range(self.size())]
+                     for k in range(len(inputs))]
+        for k, (inp, row) in enumerate(zip(inputs, per_input)):
+            check_same_dtype(op, [inp, *row])
+            for r, out in enumerate(row):
+                check_numel(op, f"output_tensor_lists[{r}][{k}]", out, inp.numel())
+        check_outputs(op, "output_tensor_lists (joined)", [t for row in per_input for t in row])
+        return self._gather_bytes(op, inputs, per_input, opts.asyncOp)
 
     def _gather_bytes(self, op: str, inputs: list[torch.Tensor], outputs: list[list[Any]],
                       async_op: bool, root: int | None = None, into: torch.Tensor | None = None):

@@ -8,6 +8,7 @@ world group shuts it down, so a new world (of any size) can start in the same pr
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import threading
@@ -15,9 +16,18 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from tpudist.process_group.checks import STUCK_GRACE_S
+
 _COORDINATOR_KEY = "tpudist/jax_coordinator"
-# JAX's heartbeat decides how long survivors of a crashed peer live on; keep it near the c10d timeout.
-_MIN_HEARTBEAT_S = 10
+# JAX's coordination service: its heartbeat decides how long survivors of a crashed peer live on,
+# and its shutdown barrier how long a rank waits at destroy for peers still inside a collective.
+# Neither may derive from a group's (possibly 1 s) collective timeout: a peer legitimately sits in a
+# collective until XLA's collective timeout, and a heartbeat that short aborts healthy ranks
+# (SIGABRT at shutdown, issue 12). The heartbeat is fixed; the shutdown barrier outlasts XLA's
+# collective timeout plus the grace in which timed-out ranks name absentees.
+_HEARTBEAT_S = 60
+_MIN_SHUTDOWN_S = 60
+_MIN_INIT_S = 30  # every rank must reach jax.distributed.initialize within this (or the group timeout)
 _PLATFORM_ENV = "TPUDIST_PLATFORM"
 _TOPOLOGY_ENV = "TPUDIST_TOPOLOGY"
 
@@ -35,6 +45,9 @@ class Runtime:
     num_processes: int
     devices: tuple[Any, ...]  # jax devices, index = global torch rank
     topology: Any  # tpudist.mesh.Topology: the slice being run (or emulated); rank r is chip r
+    # XLA's collective timeout in this process (set from the first world's timeout, read once by
+    # XLA): a group with a shorter timeout enforces its own from the caller's side.
+    collective_timeout_s: float = float("inf")
 
     def device(self, global_rank: int) -> Any:
         return self.devices[global_rank]
@@ -93,12 +106,31 @@ def topology_for(world_size: int) -> Any:
     return topology
 
 
-def _collective_timeout_flag(timeout: timedelta) -> None:
-    # XLA:CPU ignores the c10d timeout unless this flag is set before the backend starts (FACTS.md).
+_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
+_XLA_DEFAULT_COLLECTIVE_TIMEOUT_S = 30 * 60  # XLA's own default when the flag is not set
+
+
+def _collective_timeout_flag(timeout: timedelta) -> int:
+    """Sets XLA's collective timeout to the world's timeout; returns the one in force.
+
+    XLA:CPU ignores the c10d timeout unless this flag is set before the backend starts (FACTS.md),
+    and it reads the flag once per process: a later world keeps the first one's value."""
     seconds = max(1, int(timeout.total_seconds()))
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_collective_timeout_seconds" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_timeout_seconds={seconds}".strip()
+    if _TIMEOUT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --{_TIMEOUT_FLAG}={seconds}".strip()
+        return seconds
+    match = re.search(rf"--{_TIMEOUT_FLAG}=(\d+)", flags)
+    return int(match.group(1)) if match else _XLA_DEFAULT_COLLECTIVE_TIMEOUT_S
+
+
+def coordination_timeouts(timeout: timedelta, collective_timeout_s: int) -> dict[str, int]:
+    """``jax.distributed.initialize``'s timeouts for a world of group ``timeout`` (see above)."""
+    return {
+        "initialization_timeout": max(_MIN_INIT_S, int(timeout.total_seconds())),
+        "heartbeat_timeout_seconds": _HEARTBEAT_S,
+        "shutdown_timeout_seconds": max(_MIN_SHUTDOWN_S, collective_timeout_s + 2 * int(STUCK_GRACE_S) + 10),
+    }
 
 
 def _coordinator_host() -> str:
@@ -159,21 +191,20 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
         # JAX's preemption service catches SIGTERM, so a rank would ignore torchrun's SIGTERM and
         # be SIGKILLed 30 s later on every restart. torchrun owns the process lifecycle.
         jax.config.update("jax_enable_preemption_service", False)
+        collective_timeout_s = int(timeout.total_seconds())
         if platform == "cpu":
             _keep_freed_memory()
-            _collective_timeout_flag(timeout)
+            collective_timeout_s = _collective_timeout_flag(timeout)
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         if rank == 0:
             host = _coordinator_host()
             store.set(_COORDINATOR_KEY, f"{host}:{_free_port(host)}")
         address = store.get(_COORDINATOR_KEY).decode()
-        seconds = max(_MIN_HEARTBEAT_S, int(timeout.total_seconds()))
         try:
             jax.distributed.initialize(
                 coordinator_address=address, num_processes=world_size, process_id=rank,
-                coordinator_bind_address=address, initialization_timeout=seconds,
-                heartbeat_timeout_seconds=seconds, shutdown_timeout_seconds=seconds)
+                coordinator_bind_address=address, **coordination_timeouts(timeout, collective_timeout_s))
         except RuntimeError as e:
             raise RuntimeStateError(
                 f"could not start JAX's distributed runtime at {address} (rank={rank}, "
@@ -187,7 +218,7 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
         for d in devices:
             by_process.setdefault(d.process_index, d)  # one chip (device) per process
         _runtime = Runtime(platform, rank, world_size, tuple(by_process[r] for r in range(world_size)),
-                           topology)
+                           topology, float(collective_timeout_s))
         _owner_id = id(owner)
         return _runtime
 

@@ -57,8 +57,9 @@ class Work(dist._Work):  # noqa: SLF001 - the documented way to return works fro
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         limit = timeout if timeout.total_seconds() > 0 else self._timeout
         if not self._done.wait(limit.total_seconds()):
-            raise CollectiveTimeout(f"{self._description} did not complete within "
-                                    f"{limit.total_seconds():.0f}s")
+            raise CollectiveTimeout(f"{self._description} did not complete within the timeout of "
+                                    f"{limit.total_seconds():g}s (Timed out waiting: a peer that "
+                                    "never reached it, or is still in an earlier collective)")
         if self._exception is not None:
             raise self._exception
         return True
