@@ -2,6 +2,7 @@
 
     python -m tpudist describe v5p:4x4x4 --mesh 4x16 --axes dp,tp --plot mesh.png
     python -m tpudist soak --ranks 4 --calls 5000 --seed 1
+    python -m tpudist warmup --dim 64 --heads 4 --seq-len 32 --batch 8 --dtype float32,bfloat16
 
 Each command is a small function registered on its own subparser; add new ones (e.g. ``train``) the
 same way. Nothing here imports torch at import time (``soak`` does, when it runs).
@@ -49,6 +50,34 @@ def _soak(args: argparse.Namespace) -> int:
     return 1 if mismatches else 0
 
 
+def _warmup(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from tpudist.jax_cache import enable_persistent_cache
+    from tpudist.kernels import library
+
+    if min(args.batch, args.seq_len, args.dim, args.heads) < 1:
+        raise _UsageError(f"--batch={args.batch}, --seq-len={args.seq_len}, --dim={args.dim} and "
+                          f"--heads={args.heads} must be >= 1")
+    dtypes = []
+    for name in args.dtype.split(","):
+        dtype = getattr(torch, name.strip(), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise _UsageError(f"--dtype {name!r} is not a torch floating-point dtype (e.g. float32,bfloat16)")
+        dtypes.append(dtype)
+    path = enable_persistent_cache()
+    if path is None:
+        raise _UsageError("TPUDIST_CACHE_DIR=0 turns the persistent compile cache off: nothing to warm up")
+    start = time.perf_counter()
+    count = library.warmup(batch=args.batch, seq_len=args.seq_len, dim=args.dim, n_heads=args.heads,
+                           dtypes=tuple(dtypes), eps=args.eps)
+    print(f"warmup: compiled {count} kernel programs ({', '.join(k.name for k in library.KERNELS)}; "
+          f"forward and backward) in {time.perf_counter() - start:.1f} s into {path}")
+    return 0
+
+
 class _UsageError(ValueError):
     pass
 
@@ -80,6 +109,15 @@ def _parser() -> argparse.ArgumentParser:
     soak.add_argument("--gloo", action=argparse.BooleanOptionalAction, default=True,
                       help="also run every call on gloo (--no-gloo: the local reference only)")
     soak.set_defaults(run=_soak)
+    warmup = commands.add_parser(
+        "warmup", help="compile the kernel library (tpudist.kernels.library) into the persistent compile cache")
+    warmup.add_argument("--batch", type=int, default=8, help="sequences per call")
+    warmup.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
+    warmup.add_argument("--dim", type=int, default=64, help="model width")
+    warmup.add_argument("--heads", type=int, default=4, help="attention heads (head_dim = dim / heads)")
+    warmup.add_argument("--eps", type=float, default=1e-5, help="RMSNorm epsilon (a static argument)")
+    warmup.add_argument("--dtype", default="float32", help="comma-separated dtypes, e.g. float32,bfloat16")
+    warmup.set_defaults(run=_warmup)
     return parser
 
 

@@ -106,7 +106,7 @@ def _forward(kernel, func, over_mesh, args, kwargs) -> Any:
 
     from tpudist.sharding import mesh_axis_names
 
-    tensors = args
+    tensors = kernel.pad(args)
     statics = kernel.statics(kwargs)
     mesh = _mesh_of(kernel, tensors)
     if kernel.shard_dims is None:

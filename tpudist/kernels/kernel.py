@@ -92,13 +92,14 @@ class JaxKernel:
         self._lock = threading.Lock()
 
         namespace, opname = name.split("::")
-        tensors = ", ".join(f"Tensor{'?' if o else ''} {n}" for n, o in zip(self.tensor_names, self.optional))
+        tensors = ", ".join(f"Tensor? {n}=None" if o else f"Tensor {n}" for n, o in zip(self.tensor_names, self.optional))
+        backward_tensors = ", ".join(f"Tensor{'?' if o else ''} {n}" for n, o in zip(self.tensor_names, self.optional))
         statics = ", ".join(f"{static_types[n]} {n}={_schema_default(d)}" for n, d in self.static_defaults.items())
         kw = f", *, {statics}" if statics else ""
         outs = "Tensor" if num_outputs == 1 else "(" + ", ".join(["Tensor"] * num_outputs) + ")"
         grads = "Tensor" if len(self.tensor_names) == 1 else "(" + ", ".join(["Tensor"] * len(self.tensor_names)) + ")"
         self.schema = f"({tensors}{kw}) -> {outs}"
-        self.backward_schema = f"({tensors}, Tensor[] grads{kw}) -> {grads}"
+        self.backward_schema = f"({backward_tensors}, Tensor[] grads{kw}) -> {grads}"
 
         forward_def = torch.library.custom_op(name, mutates_args=(), device_types="cpu",
                                               schema=self.schema)(self._impl)
@@ -266,7 +267,13 @@ class JaxKernel:
         return grads
 
     # -- the ops' kernels --------------------------------------------------------------------------
+    def pad(self, tensors: tuple) -> tuple:
+        """The tensor arguments with absent trailing optional ones as None (torch leaves them out)."""
+        missing = len(self.tensor_names) - len(tensors)
+        return tuple(tensors) + (None,) * missing if missing > 0 else tuple(tensors)
+
     def _impl(self, *tensors: torch.Tensor, **kwargs: Any):
+        tensors = self.pad(tensors)
         statics = self.statics(kwargs)
         key = (tuple(None if t is None else (t.shape, t.dtype) for t in tensors), tuple(statics.values()))
         run = self._runners.get(key)
@@ -290,6 +297,9 @@ class JaxKernel:
     def _runner(self, key, traced: Callable, dtypes, single: bool) -> Callable:
         import jax
 
+        from tpudist.jax_cache import enable_persistent_cache
+
+        enable_persistent_cache()  # once per process; `python -m tpudist warmup` fills it ahead of time
         jitted = jax.jit(traced)
         x64 = boundary.needs_x64(dtypes)
         host_view, to_torch, scope = boundary.host_view, boundary.to_torch, boundary.x64_scope
@@ -305,6 +315,7 @@ class JaxKernel:
         return run
 
     def _fake(self, *tensors: torch.Tensor, **kwargs: Any):
+        tensors = self.pad(tensors)
         statics = self.statics(kwargs)
         outs = self.abstract_outputs(tensors, statics)
         device = next(t.device for t in tensors if t is not None)
@@ -320,7 +331,8 @@ class JaxKernel:
 
     # -- autograd --------------------------------------------------------------------------------
     def _setup_context(self, ctx, inputs, output, keyword_only_inputs=None):
-        ctx.save_for_backward(*inputs)
+        ctx.num_given = len(inputs)
+        ctx.save_for_backward(*self.pad(inputs))
         ctx.statics = dict(keyword_only_inputs or {})
 
     def _autograd_backward(self, ctx, *grads):
@@ -328,12 +340,12 @@ class JaxKernel:
         result = self.backward_op(*inputs, list(grads), **ctx.statics)
         result = (result,) if len(inputs) == 1 else result
         return tuple(g if (x is not None and needs and (x.dtype.is_floating_point or x.dtype.is_complex)) else None
-                     for x, g, needs in zip(inputs, result, ctx.needs_input_grad))
+                     for x, g, needs in zip(inputs, result, ctx.needs_input_grad))[:ctx.num_given]
 
     # -- the lowering table ------------------------------------------------------------------------
     def lowering(self, *arrays, **kwargs):
         """The JAX lowering of ``op`` (registered in ``tpudist.ops``)."""
-        return self.traced(self.statics(kwargs))(*arrays)
+        return self.traced(self.statics(kwargs))(*self.pad(arrays))
 
     def backward_lowering(self, *args, **kwargs):
         """The JAX lowering of ``backward_op``."""
