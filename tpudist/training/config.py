@@ -96,6 +96,9 @@ class TrainConfig:
                               ("float32", "bfloat16"))
     reshard_after_forward: bool = option(True, "FSDP2: free gathered parameters after each forward")
     activation_checkpoint: bool = option(False, "recompute each block's activations in backward")
+    compile: bool = option(False, "torch.compile each block's forward (one XLA program per block forward "
+                                  "and backward with --compile-backend tpu)")
+    compile_backend: str = option("tpu", "Dynamo backend of --compile (tpu, tpudist, inductor, ...)")
     # output
     log_every: int = option(1, "print a progress line every this many steps (rank 0)")
     metrics_path: str = option("", "append one JSON line of metrics per step here (rank 0); empty: off")

@@ -119,6 +119,16 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         model.layers[index] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
+def apply_compile(model: nn.Module, backend: str = "tpu") -> None:
+    """Compiles each block's forward (static shapes, whole graph); FSDP2's hooks stay eager around it.
+
+    Compiling ``forward`` rather than wrapping the module keeps parameter names (checkpoints load
+    either way). With backend "tpu" a tensor-parallel block's collectives run inside its program.
+    """
+    for block in model.layers:
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True, dynamic=False)
+
+
 def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype = torch.float32,
                reshard_after_forward: bool | int = True) -> None:
     """``fully_shard`` on each block and on the root; gradients are reduced in float32."""
@@ -132,14 +142,19 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype = torch.float
 
 
 def parallelize(model: nn.Module, mesh, *, parallelism: str = "fsdp", param_dtype: torch.dtype = torch.float32,
-                reshard_after_forward: bool | int = True, activation_checkpoint: bool = False) -> nn.Module:
+                reshard_after_forward: bool | int = True, activation_checkpoint: bool = False,
+                compile_backend: str = "") -> nn.Module:
     """Applies TP (if ``mesh`` has a ``tp`` axis), checkpointing, then FSDP2 or DDP; returns the model."""
     if "tp" in mesh.mesh_dim_names:
         if parallelism == "ddp":
             raise ValueError("parallelism='ddp' does not combine with tp; use parallelism='fsdp' with --mesh")
         apply_tp(model, mesh["tp"])
     if activation_checkpoint:
+        if compile_backend:
+            raise ValueError("activation_checkpoint and compile together are not supported yet: pick one")
         apply_activation_checkpointing(model)
+    if compile_backend:
+        apply_compile(model, compile_backend)
     if parallelism == "ddp":
         if param_dtype != torch.float32:
             raise ValueError(f"param_dtype={param_dtype} needs parallelism='fsdp' (DDP trains in float32)")

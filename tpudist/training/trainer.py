@@ -89,7 +89,8 @@ class Trainer:
         self.model = parallelize(Transformer(self.model_args), self.mesh, parallelism=cfg.parallelism,
                                  param_dtype=_DTYPES[cfg.param_dtype],
                                  reshard_after_forward=cfg.reshard_after_forward,
-                                 activation_checkpoint=cfg.activation_checkpoint)
+                                 activation_checkpoint=cfg.activation_checkpoint,
+                                 compile_backend=cfg.compile_backend if cfg.compile else "")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.task = MarkovTask(cfg.vocab_size, cfg.seq_len, seed=cfg.data_seed, branching=cfg.branching)
         self.checkpointer = Checkpointer(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
