@@ -1,0 +1,100 @@
+"""Training step time: eager vs torch.compile(backend="tpu") vs backend="inductor", interleaved.
+
+    python benchmarks/compile_step.py                        # the recipe's model, fp32 and bf16
+    python benchmarks/compile_step.py --dim 256 --seq-len 128 --batch 4 --rounds 20
+    python benchmarks/compile_step.py --cold                 # empty program caches (first-step cost)
+
+One process. A step is forward + cross-entropy + backward (compiled, or eager) + AdamW (eager).
+Each variant first runs one step (timed: the first-step/compile time), then the variants take turns,
+one step each, for --rounds rounds, so machine noise hits them alike. Prints medians and each
+variant's ratio to eager (< 1: faster than eager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab-size", type=int, default=128)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--n-kv-heads", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (the recipe's global batch)")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--variants", default="eager,tpu,inductor")
+    p.add_argument("--cold", action="store_true", help="start with empty tpudist and inductor caches")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
+    if args.cold:
+        os.environ["TPUDIST_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpudist-bench-")
+        os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+    import torch
+    import torch.nn.functional as F
+
+    from tpudist.training.model import ModelArgs, Transformer
+
+    model_args = ModelArgs(vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+                           n_kv_heads=args.n_kv_heads, max_seq_len=args.seq_len)
+    print(f"model {model_args}, batch {args.batch}, torch threads {torch.get_num_threads()}, "
+          f"{'cold' if args.cold else 'warm'} caches")
+
+    def loss_fn(model, tokens, targets):
+        return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (args.batch, args.seq_len), generator=gen)
+    targets = torch.randint(0, args.vocab_size, (args.batch, args.seq_len), generator=gen)
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        torch._dynamo.reset()  # noqa: SLF001
+        variants = {}
+        for name in args.variants.split(","):
+            torch.manual_seed(0)
+            model = Transformer(model_args).to(dtype)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            fn = loss_fn if name == "eager" else torch.compile(loss_fn, backend=name, fullgraph=True, dynamic=False)
+            variants[name] = (model, opt, fn)
+
+        def step(name):
+            model, opt, fn = variants[name]
+            start = time.perf_counter()
+            loss = fn(model, tokens, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            value = loss.item()
+            return time.perf_counter() - start, value
+
+        first = {}
+        for name in variants:
+            first[name], _ = step(name)
+        times = {name: [] for name in variants}
+        losses = {}
+        for _ in range(args.rounds):
+            for name in variants:
+                elapsed, losses[name] = step(name)
+                times[name].append(elapsed)
+        base = statistics.median(times["eager"]) if "eager" in times else None
+        print(f"\n{dtype_name}: {'variant':<10} {'step ms':>9} {'x eager':>8} {'first step s':>13} {'loss':>9}")
+        for name in variants:
+            med = statistics.median(times[name])
+            ratio = f"{med / base:8.2f}" if base else "       -"
+            print(f"{'':{len(dtype_name) + 1}} {name:<10} {med * 1e3:9.2f} {ratio} {first[name]:13.2f} "
+                  f"{losses[name]:9.4f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
