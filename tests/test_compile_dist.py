@@ -168,3 +168,39 @@ def test_rank_divergent_graphs_raise(pool2):
     for same, outcome in pool2.run(divergent_graphs, timeout=120):
         assert same == [5.0] * 4  # (1 * 2) summed over 2 ranks, + 1
         assert outcome == "PlanMismatch", outcome
+
+
+def funcol_ops():
+    """Each functional collective inside one compiled graph against the same calls eagerly (gloo-free:
+    eager funcol runs on the "tpu" group's own c10d collectives)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from tpudist.compile.program import STATS
+
+    torch._dynamo.reset()  # noqa: SLF001
+    group = dist.group.WORLD
+
+    def fn(x, y):
+        a = funcol.all_reduce(x, "avg", group)
+        b = funcol.all_reduce(x, "max", group)
+        c = funcol.all_gather_tensor(y, 0, group)
+        d = funcol.reduce_scatter_tensor(c * 3, "sum", 0, group)
+        e = funcol.all_to_all_single(y + 1, None, None, group)
+        return a, b, c, d, e
+
+    rank = dist.get_rank()
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3) * (rank + 1) - 2
+    y = torch.arange(8, dtype=torch.int64).reshape(4, 2) + 10 * rank  # int64: an uneven-dtype mix
+    before = len(STATS.collective_programs)
+    got = torch.compile(fn, backend="tpu", fullgraph=True, dynamic=False)(x, y)
+    want = fn(x, y)
+    return ([(g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)) for g, w in zip(got, want)],
+            STATS.collective_programs[before:])
+
+
+def test_functional_collectives_match_eager(pool2):
+    for same, programs in pool2.run(funcol_ops, timeout=120):
+        assert same == [True] * 5, same
+        assert len(programs) == 1 and {"all-reduce", "all-gather", "reduce-scatter", "all-to-all"} <= set(programs[0][1]), programs
