@@ -116,3 +116,4 @@ def test_full_mesh_2_ranks(pool2):
 
 def test_tp_sub_mesh_of_2x2(pool4):
     assert pool4.run(check_kernels, (2, 2), ("dp", "tp"), "tp") == [[]] * 4
+
