@@ -21,8 +21,8 @@ from jax.experimental import pallas as pl
 
 import tpudist.ops
 from tpudist.kernels import (KernelGradientError, KernelInputError, custom_jax_kernel)
-from tpudist.kernels.library import (KERNELS, attention, attention_kernel, rms_norm, rms_norm_kernel,
-                                     rms_norm_pallas_kernel)
+from tpudist.kernels.library import (KERNELS, attention, attention_kernel, attention_pallas_kernel, rms_norm,
+                                     rms_norm_kernel)
 from tpudist.testing import RankPool
 from tpudist.training.model import RMSNorm
 
@@ -86,7 +86,7 @@ def add_big(x, *, big: int = 2**40):
 # -- opcheck ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
 def test_opcheck(kernel):
-    if kernel is attention_kernel:
+    if kernel in (attention_kernel, attention_pallas_kernel):
         args, kwargs = _inputs((2, 2, 5, 4), (2, 2, 5, 4), (2, 2, 5, 4)), {"causal": True, "scale": 0.0}
     else:
         args, kwargs = _inputs((3, 5, 8), (8,)), {"eps": EPS}
@@ -101,9 +101,9 @@ def test_opcheck_test_kernels():
 
 # -- eager against torch ---------------------------------------------------------------------------
 @pytest.mark.parametrize("pallas", [False, True], ids=["jnp", "pallas"])
-@pytest.mark.parametrize("shape", [(8, 64), (2, 5, 64)])
+@pytest.mark.parametrize("shape", [(8, 64), (2, 5, 64), (2, 136, 16)])  # the last: 2 Pallas row blocks
 def test_rms_norm_matches_model(pallas, shape):
-    module = _rms_module()
+    module = _rms_module(dim=shape[-1])
     (x,) = _inputs(shape)
     out = rms_norm(x, module.weight, EPS, pallas=pallas)
     want = module(x)
@@ -125,14 +125,22 @@ def test_rms_norm_dtypes_follow_torch():
     _assert_close(rms_norm(x64, m64.weight, EPS), m64(x64))
 
 
+@pytest.mark.parametrize("pallas", [False, True], ids=["jnp", "pallas"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_attention_matches_sdpa(causal):
-    q, k, v = _inputs((2, 4, 7, 8), (2, 4, 9, 8), (2, 4, 9, 8))
-    out = attention(q, k, v, causal=causal)
+@pytest.mark.parametrize("seq_q", [7, 16])
+def test_attention_matches_sdpa(causal, pallas, seq_q):
+    q, k, v = _inputs((2, 4, seq_q, 8), (2, 4, 9, 8), (2, 4, 9, 8))
+    out = attention(q, k, v, causal=causal, pallas=pallas)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     _assert_close(out, want)
     for got, ref in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v))):
         _assert_close(got, ref)
+
+
+def test_pallas_attention_several_query_blocks():
+    q, k, v = _inputs((1, 1, 136, 8), (1, 1, 136, 8), (1, 1, 136, 8))  # 17 blocks of 8 queries
+    out = attention(q, k, v, causal=True, pallas=True)
+    _assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
 def test_pallas_kernel_with_user_backward():
@@ -367,6 +375,6 @@ def test_warmup_fills_the_persistent_cache(tmp_path):
         "print('hits', len(hits))\n")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "compiled 6 kernel programs" in done.stdout, done.stdout
-    assert len(list(tmp_path.iterdir())) >= 6
+    assert "compiled 8 kernel programs" in done.stdout, done.stdout
+    assert len(list(tmp_path.iterdir())) >= 8
     assert "hits 4" in done.stdout, done.stdout  # rms_norm and attention, forward and backward

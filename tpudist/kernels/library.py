@@ -5,8 +5,9 @@ The functions a model calls have the semantics of ``tpudist/training/model.py``:
     rms_norm(x, weight, eps)            # RMSNorm.forward: f32 statistics, type_as(x), * weight
     attention(q, k, v, causal=True)     # F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-``rms_norm_pallas`` is the same RMSNorm as a Pallas kernel (row blocks; interpret mode on CPU,
-compiled on TPU) whose gradient is the vjp of the pure-JAX reference. :func:`warmup` compiles them
+``rms_norm_pallas`` and ``attention_pallas`` are the same computations as Pallas kernels (row /
+query blocks; interpret mode on CPU, compiled on TPU) whose gradients are the vjp of the pure-JAX
+references (``pallas=True`` in the functions below). :func:`warmup` compiles them
 for given shapes into JAX's persistent compile cache (``python -m tpudist warmup``).
 """
 
@@ -109,6 +110,47 @@ attention_kernel = custom_jax_kernel("tpudist::attention", shard_dims="b h _ _, 
                                      check=_check_attention)(attention_reference)
 
 
+def _pallas_attention(q, k, v, *, causal: bool = True, scale: float = 0.0):
+    """One grid step per (batch x head, block of queries): scores against all keys, softmax, times v."""
+    from jax.experimental import pallas as pl
+
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k, head_dim_v = k.shape[2], v.shape[3]
+    scale = scale or 1.0 / math.sqrt(head_dim)
+    block = seq_q  # TPU blocks: a multiple of 8 query rows (or all of them), whole key and head dims
+    if seq_q % 8 == 0:
+        block = max(b for b in range(8, min(seq_q, 128) + 1, 8) if seq_q % b == 0)
+
+    def kernel(q_ref, k_ref, v_ref, o_ref):
+        start = pl.program_id(1) * block
+        logits = jnp.dot(q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32).T) * scale
+        if causal:
+            rows = start + jax.lax.broadcasted_iota(jnp.int32, (block, seq_k), 0)
+            cols = jax.lax.broadcasted_iota(jnp.int32, (block, seq_k), 1)
+            logits = jnp.where(cols <= rows, logits, -jnp.inf)
+        weights = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        o_ref[...] = jnp.dot(weights, v_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
+
+    sq = pl.squeezed
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((batch * heads, seq_q, head_dim_v), q.dtype),
+        grid=(batch * heads, seq_q // block),
+        in_specs=[pl.BlockSpec((sq, block, head_dim), lambda h, i: (h, i, 0)),
+                  pl.BlockSpec((sq, seq_k, head_dim), lambda h, i: (h, 0, 0)),
+                  pl.BlockSpec((sq, seq_k, head_dim_v), lambda h, i: (h, 0, 0))],
+        out_specs=pl.BlockSpec((sq, block, head_dim_v), lambda h, i: (h, i, 0)),
+    )(q.reshape(batch * heads, seq_q, head_dim), k.reshape(batch * heads, seq_k, head_dim),
+      v.reshape(batch * heads, seq_k, head_dim_v))
+    return out.reshape(batch, heads, seq_q, head_dim_v)
+
+
+attention_pallas_kernel = custom_jax_kernel("tpudist::attention_pallas", reference=attention_reference,
+                                            shard_dims="b h _ _, b h _ _, b h _ _ -> b h _ _",
+                                            check=_check_attention)(_pallas_attention)
+
+
 # -- what a model calls -------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, pallas: bool = False) -> torch.Tensor:
     """RMSNorm as ``tpudist/training/model.py``'s ``RMSNorm.forward`` computes it, as one JAX kernel.
@@ -125,21 +167,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, pallas
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, *, pallas: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`` as one JAX kernel.
 
     Shapes ``(batch, heads, seq, head_dim)``; k and v have q's heads (repeat them first for
-    grouped-query attention, as the model does).
+    grouped-query attention, as the model does). ``pallas=True`` runs the Pallas kernel instead.
 
     Example:
         >>> q = torch.randn(2, 4, 16, 8)
         >>> attention(q, q, q).shape
         torch.Size([2, 4, 16, 8])
     """
-    return attention_kernel(q, k, v, causal=bool(causal), scale=0.0 if scale is None else float(scale))
+    kernel = attention_pallas_kernel if pallas else attention_kernel
+    return kernel(q, k, v, causal=bool(causal), scale=0.0 if scale is None else float(scale))
 
 
-KERNELS = (rms_norm_kernel, rms_norm_pallas_kernel, attention_kernel)
+KERNELS = (rms_norm_kernel, rms_norm_pallas_kernel, attention_kernel, attention_pallas_kernel)
 
 
 def warmup(*, batch: int = 8, seq_len: int = 32, dim: int = 64, n_heads: int = 4,
@@ -158,9 +201,10 @@ def warmup(*, batch: int = 8, seq_len: int = 32, dim: int = 64, n_heads: int = 4
         for kernel in (rms_norm_kernel, rms_norm_pallas_kernel):
             count += kernel.compile(x, weight, eps=float(eps))
         q = torch.empty(batch, n_heads, seq_len, dim // n_heads, dtype=dtype, device="meta")
-        count += attention_kernel.compile(q, q, q, causal=True, scale=0.0)
+        for kernel in (attention_kernel, attention_pallas_kernel):
+            count += kernel.compile(q, q, q, causal=True, scale=0.0)
     return count
 
 
-__all__ = ["KERNELS", "attention", "attention_kernel", "attention_reference", "rms_norm", "rms_norm_kernel",
+__all__ = ["KERNELS", "attention", "attention_kernel", "attention_pallas_kernel", "attention_reference", "rms_norm", "rms_norm_kernel",
            "rms_norm_pallas_kernel", "rms_norm_reference", "warmup"]
