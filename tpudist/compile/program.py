@@ -293,7 +293,7 @@ class GraphProgram:
         for o in self._outputs:
             if o.kind == "array":
                 out = boundary.to_torch(outs[o.index], o.dtype)
-                results.append(out[0] if self._collectives is not None else out)
+                results.append(boundary.drop_leading(out) if self._collectives is not None else out)
             elif o.kind == "input":
                 results.append(passthrough[o.index])
             elif o.kind == "none":
