@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -182,7 +183,7 @@ def test_int64_crosses_in_64_bits():
 
 
 def test_cpu_inputs_are_not_copied():
-    """The jitted program reads the torch buffer in place: a large input costs no host copy."""
+    """What a kernel hands its jitted program aliases the torch buffer, and XLA:CPU takes it in place."""
     run_key = None
     x = torch.randn(4, 64)
     rms_norm(x, torch.ones(64), EPS)
@@ -351,6 +352,60 @@ def test_bad_definitions():
         custom_jax_kernel("kernels_test::bad3", shard_dims="b -> _")(lambda x: x)
     with pytest.raises(ValueError, match=r"pass backward= or reference=, not both"):
         custom_jax_kernel("kernels_test::bad4", backward=lambda x, g: g, reference=lambda x: x)(lambda x: x)
+
+
+# -- shard_dims plans (no processes: placements on stand-ins for DTensors) ---------------------------
+def _dt(ndim, *placements):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(ndim=ndim, placements=placements)
+
+
+def test_shard_dims_plan_outputs_and_grads():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from tpudist.kernels.shard_spec import ShardDims, plan_local
+
+    norm = ShardDims.parse("... _, _ -> ... _", 2, 1, "k")
+    plan = plan_local(norm, "k", ["x", "w"], [_dt(3, Shard(0), Shard(1)), _dt(1, Replicate(), Replicate())],
+                      ["dp", "tp"], [3])
+    assert plan.output_placements == ((Shard(0), Shard(1)),)
+    assert plan.grad_placements == ((Shard(0), Shard(1)), (Partial(), Partial()))
+    attn = ShardDims.parse("b h _ _, b h _ _, b h _ _ -> b h _ _", 3, 1, "k")
+    qkv = [_dt(4, Shard(0), Shard(1))] * 3
+    plan = plan_local(attn, "k", ["q", "k", "v"], qkv, ["dp", "tp"], [4])
+    assert plan.output_placements == ((Shard(0), Shard(1)),)
+    assert plan.grad_placements == ((Shard(0), Shard(1)),) * 3
+    plan = plan_local(attn, "k", ["q", "k", "v"], [_dt(4, Replicate())] * 3, ["tp"], [4])
+    assert plan.output_placements == ((Replicate(),),) and plan.grad_placements == ((Replicate(),),) * 3
+
+
+def test_shard_dims_errors_say_which_redistribute():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from tpudist.kernels import KernelShardingError
+    from tpudist.kernels.shard_spec import ShardDims, plan_local
+
+    norm = ShardDims.parse("... _, _ -> ... _", 2, 1, "lib::norm")
+    with pytest.raises(KernelShardingError, match=re.escape(
+            "kernel lib::norm: x is sharded on dim 2 (mesh axis 'tp', placements=(S(0), S(2))), but the kernel "
+            "needs that dim whole (shard_dims='... _, _ -> ... _'); redistribute it first: x = x.redistribute("
+            "x.device_mesh, [Shard(dim=0), Replicate()])")):
+        plan_local(norm, "lib::norm", ["x", "w"], [_dt(3, Shard(0), Shard(2)), _dt(1, Replicate(), Replicate())],
+                   ["dp", "tp"], [3])
+    with pytest.raises(KernelShardingError, match=r"w is sharded on dim 0 .*w = w.redistribute"):
+        plan_local(norm, "lib::norm", ["x", "w"], [_dt(2, Replicate()), _dt(1, Shard(0))], ["tp"], [2])
+    with pytest.raises(KernelShardingError, match=r"x is Partial\(sum\) on mesh axis 'tp', a pending reduction"):
+        plan_local(norm, "lib::norm", ["x", "w"], [_dt(2, Partial()), _dt(1, Replicate())], ["tp"], [2])
+    attn = ShardDims.parse("b h _ _, b h _ _, b h _ _ -> b h _ _", 3, 1, "lib::attn")
+    with pytest.raises(KernelShardingError, match=re.escape(
+            "mesh axis 'tp' shards q, v on dim 'h' but k, which has that dim too, is Replicate() there; shard "
+            "them alike: k = k.redistribute(k.device_mesh, [Shard(1)])")):
+        plan_local(attn, "lib::attn", ["q", "k", "v"], [_dt(4, Shard(1)), _dt(4, Replicate()), _dt(4, Shard(1))],
+                   ["tp"], [4])
+    with pytest.raises(KernelShardingError, match=r"shards different dims of the inputs \(q on dim 'h', "):
+        plan_local(attn, "lib::attn", ["q", "k", "v"], [_dt(4, Shard(1)), _dt(4, Shard(0)), _dt(4, Shard(1))],
+                   ["tp"], [4])
 
 
 # -- warmup ---------------------------------------------------------------------------------------

@@ -133,8 +133,8 @@ def plan_local(spec: ShardDims, kernel: str, names: Sequence[str], tensors: Sequ
             p = t.placements[axis]
             if p.is_partial():
                 raise KernelShardingError(
-                    f"kernel {kernel}: {name} is {p} on mesh axis {axis_name!r}, a pending reduction this "
-                    f"kernel cannot take; redistribute it first: {name}.redistribute({name}.device_mesh, "
+                    f"kernel {kernel}: {name} is {p!r} on mesh axis {axis_name!r}, a pending reduction this "
+                    f"kernel cannot take; redistribute it first: {name} = {name}.redistribute({name}.device_mesh, "
                     f"{_suggest(t.placements, axis)})")
             if not p.is_shard():
                 continue
@@ -161,7 +161,7 @@ def plan_local(spec: ShardDims, kernel: str, names: Sequence[str], tensors: Sequ
                 if t is not None and label in dims and not t.placements[axis].is_shard():
                     raise KernelShardingError(
                         f"kernel {kernel}: mesh axis {axis_name!r} shards {', '.join(sharded[label])} on "
-                        f"{_label_text(label)} but {name}, which has that dim too, is {t.placements[axis]} "
+                        f"{_label_text(label)} but {name}, which has that dim too, is {t.placements[axis]!r} "
                         f"there; shard them alike: {name} = {name}.redistribute({name}.device_mesh, "
                         f"{_with(t.placements, axis, f'Shard({dims.index(label)})')})")
         axis_labels.append(label)
