@@ -143,11 +143,14 @@ class Kernel:
         self.returns = returns          # how to build the Python result from targets/fresh
         self.written_slots = sorted({leaf_specs[i][1] for i in targets})
         self.out_names = {a.name for a in op._schema.arguments if a.is_out}  # noqa: SLF001
-        self.jitted = jax.jit(self.trace)
+        self.jitted = jax.jit(self._run)  # no defaulted parameters: those take jit's slow path
         rt.stats["kernels"] += 1
 
     def __repr__(self):
         return f"Kernel({self.op})"
+
+    def _run(self, arrays, sc):
+        return self.trace(arrays, sc)
 
     def discover(self, arrays, sc):
         """Abstract results of an op torch has no meta kernel for: the outputs' shapes and structure."""
@@ -173,7 +176,7 @@ class Kernel:
                 leaves.append(jnp.asarray(spec[1], tops.to_jax_dtype(spec[2])))
             else:
                 leaves.append(spec[1])
-        args, kwargs = tree_unflatten(leaves, self.treedef)
+        args, kwargs = unflatten_args(leaves, self.treedef)
         if self.form == "out":
             kwargs = {k: v for k, v in kwargs.items() if k not in self.out_names}
         if self.random:
@@ -217,6 +220,45 @@ def _cast(value, shape, dtype):
     return value
 
 
+def flatten_args(args, kwargs):
+    """(leaves, structure) of an op's arguments: lists/tuples of one level flattened (foreach ops).
+
+    torch's pytree is general but costs ~30 us per call; aten arguments nest at most one level.
+    """
+    leaves, struct = [], []
+    for a in args:
+        if type(a) in (list, tuple):
+            struct.append((type(a), len(a)))
+            leaves.extend(a)
+        else:
+            struct.append(None)
+            leaves.append(a)
+    names = tuple(kwargs)
+    for k in names:
+        a = kwargs[k]
+        if type(a) in (list, tuple):
+            struct.append((type(a), len(a)))
+            leaves.extend(a)
+        else:
+            struct.append(None)
+            leaves.append(a)
+    return leaves, (tuple(struct), len(args), names)
+
+
+def unflatten_args(leaves, structure):
+    struct, num_args, names = structure
+    values, i = [], 0
+    for entry in struct:
+        if entry is None:
+            values.append(leaves[i])
+            i += 1
+        else:
+            kind, n = entry
+            values.append(kind(leaves[i:i + n]))
+            i += n
+    return tuple(values[:num_args]), dict(zip(names, values[num_args:]))
+
+
 def _device_mismatch(op, other):
     return RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                         f"tpu:0 and {other.device}! (when running {op} on the tpu device; move the tensor "
@@ -225,15 +267,17 @@ def _device_mismatch(op, other):
 
 def _signature(op, args, kwargs, static_floats: bool):
     """(key, slot buffers, scalar values) of one call; leaves are described, not copied."""
-    leaves, treedef = tree_flatten((args, kwargs))
+    leaves, treedef = flatten_args(args, kwargs)
     sig = []
     slot_of: dict[int, int] = {}
     buffers: list[Buffer] = []
     scalars: list[float] = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
-            if x.device.type == "tpu":
-                buf = buffer_of(x)
+            if not x.is_cpu:
+                buf = getattr(x.untyped_storage(), _ATTR, None)
+                if buf is None:
+                    raise _device_mismatch(op, x)
                 slot = slot_of.get(id(buf))
                 if slot is None:
                     slot = slot_of[id(buf)] = len(buffers)
@@ -250,6 +294,8 @@ def _signature(op, args, kwargs, static_floats: bool):
         elif type(x) is float and not static_floats:
             sig.append(("F", len(scalars)))
             scalars.append(x)
+        elif isinstance(x, torch.device) and x.type == "tpu":
+            sig.append(("S", _META_DEVICE))  # lowerings ignore it; tops.call's meta run must not allocate
         else:
             sig.append(("S", x if not isinstance(x, list) else tuple(x)))
     slots = tuple((b.numel, b.dtype, b.value is None) for b in buffers)
@@ -269,7 +315,7 @@ def _build(op, key, leaves):
     _, treedef, sig, slots, static_floats = key
     # torch's own shape/dtype checks and result metadata, once per signature
     meta_leaves = [_meta_of(x) for x in leaves]
-    margs, mkwargs = tree_unflatten(meta_leaves, treedef)
+    margs, mkwargs = unflatten_args(meta_leaves, treedef)
     try:
         meta = op(*margs, **mkwargs)
     except NotImplementedError as e:
@@ -284,7 +330,7 @@ def _build(op, key, leaves):
             raise tops.UnsupportedOp(op, " (a mutating op with no functional twin)")
         form = "out" if any(schema.arguments[i].is_out for i in mutated) else "inplace"
         # leaf indices of the mutated arguments, in schema order
-        args, kwargs = tree_unflatten(list(range(len(leaves))), treedef)
+        args, kwargs = unflatten_args(list(range(len(leaves))), treedef)
         targets = []
         for i in mutated:
             a = schema.arguments[i]
@@ -310,7 +356,7 @@ def _build(op, key, leaves):
         if not all(isinstance(m, torch.Tensor) for m in flat_meta):
             raise _DataDependent()
         fresh = [(tuple(m.shape), m.dtype) for m in flat_meta]
-        returns = ("fresh", meta_def)
+        returns = ("single", None) if isinstance(meta, torch.Tensor) else ("fresh", meta_def)
     n_scalars = sum(1 for s in sig if s[0] in ("F", "C"))
     random = torch.Tag.nondeterministic_seeded in functional.tags
     specs = list(sig)
@@ -332,6 +378,8 @@ def _build(op, key, leaves):
 
 
 _NO_META = object()
+_META_DEVICE = torch.device("meta")
+_NO_SCALARS = np.zeros((0,), _F64)
 
 
 class _DataDependent(Exception):
@@ -360,6 +408,8 @@ def kernel_for(op, args, kwargs):
 
 def result_of(kernel, leaves, fresh_tensors):
     kind, info = kernel.returns
+    if kind == "single":
+        return fresh_tensors[0]
     if kind == "fresh":
         return tree_unflatten(fresh_tensors, info)
     targets = [leaves[i] for i in kernel.targets]
@@ -394,7 +444,7 @@ def execute(op, args, kwargs):
         flush()
     if mode == "debug":
         check_indices(op, args, kwargs)
-    sc = np.asarray(scalars, _F64) if scalars else np.zeros((0,), _F64)
+    sc = np.asarray(scalars, _F64) if scalars else _NO_SCALARS
     arrays = [b.value for b in buffers]
     try:
         with jax.enable_x64(True):

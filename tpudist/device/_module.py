@@ -165,7 +165,9 @@ def cache_stats() -> dict:
     """Counters: kernels compiled (strict/debug), fused programs, cache hits/misses, CPU fallbacks."""
     from tpudist.device import _fused
 
-    stats = dict(rt.stats)
+    stats = {"kernels": 0, "hits": 0, "misses": 0, "ops": 0, "recorded_ops": 0, "programs": 0, "syncs": 0,
+             "compile_s": 0.0, "graph_key_s": 0.0}
+    stats.update(rt.stats)
     stats["pending_ops"] = _fused.pending_ops()
     stats["cpu_fallback_ops"] = dict(rt.fallback_ops)
     stats["mode"] = rt.get_mode()

@@ -5,10 +5,12 @@ Every distinct shape is a new XLA program (seconds to compile). Padding lengths 
 lengths up to 1024 become at most 8 shapes.
 
     buckets = Buckets(max_length=1024)              # sizes 128, 256, ..., 1024
-    batch = pad_batch(tokens, targets, buckets)     # right padding, targets -100 on padding
+    batch = pad_batch(tokens, targets, buckets)     # on the host, before .to("tpu"): right padding,
+                                                    # targets -100 on padding
     loss = F.cross_entropy(model(batch.tokens).flatten(0, 1), batch.targets.flatten())  # ignore_index=-100
 
-Right padding leaves a causal model's outputs at real positions unchanged (padding comes after
+Pad on the host: padding a device tensor is itself an op on the unpadded shape (a new kernel, and
+in Fused mode a new program, per length). Right padding leaves a causal model's outputs at real positions unchanged (padding comes after
 them). Bidirectional attention must not attend to padding: pass ``batch.key_padding_mask`` (True for
 real tokens) as an attention mask, e.g. ``attention_mask(batch.key_padding_mask)`` for SDPA.
 """
