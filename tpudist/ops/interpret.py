@@ -205,7 +205,13 @@ class JaxMode(TorchDispatchMode):
             return _wrap(_unwrap(args[0]))
         if torch.Tag.inplace in func.tags or func._schema.is_mutable:  # noqa: SLF001
             return _mutate(func, args, kwargs)
-        return tree_map(_wrap, call(func, *tree_map(_unwrap, args), **tree_map(_unwrap, kwargs)))
+        out = tree_map(_wrap, call(func, *tree_map(_unwrap, args), **tree_map(_unwrap, kwargs)))
+        if func.is_view and args and isinstance(args[0], JaxValue):
+            # remember where a view came from, so that a later in-place write reaches its base
+            for i, view in enumerate(out if isinstance(out, (list, tuple)) else [out]):
+                if isinstance(view, JaxValue):
+                    view.view_of = (args[0], func, args[1:], kwargs, i)
+        return out
 
 
 def _flat(x):
@@ -245,11 +251,52 @@ def _mutate(func, args, kwargs):
         if not isinstance(target, JaxValue):
             raise UnsupportedOp(func, " (it wrote into a tensor that is not a JaxValue)")
         target.value = jnp.broadcast_to(value, target.shape).astype(target.value.dtype)  # keeps its dtype
+        _write_back(target, func)
     returns = [by_alias.get(next(iter(r.alias_info.before_set)), None) if r.alias_info else None
                for r in schema.returns]
     if not returns:
         return None
     return returns[0] if len(returns) == 1 else tuple(returns)
+
+
+def _write_back(view, func):
+    """Propagate a view's new value into its base (and its base's base), as torch's aliasing would."""
+    from tpudist.ops.lowerings import shape
+
+    while getattr(view, "view_of", None) is not None:
+        base, view_op, rest, kw, index = view.view_of
+        name = view_op._schema.name.split("::")[1]  # noqa: SLF001
+        new, old = view.value, base.value
+        if name in ("slice", "slice_copy"):
+            updated = shape.slice_scatter(old, new, *rest, **kw)
+        elif name in ("select", "select_copy"):
+            updated = shape.select_scatter(old, new, *rest, **kw)
+        elif name in ("diagonal", "diagonal_copy"):
+            updated = shape.diagonal_scatter(old, new, *rest, **kw)
+        elif name in ("as_strided", "as_strided_copy"):
+            updated = shape.as_strided_scatter(old, new, *rest, **kw)
+        elif name in ("view", "_unsafe_view", "reshape", "_reshape_alias", "unsqueeze", "squeeze", "alias",
+                      "view_copy", "unsqueeze_copy", "squeeze_copy", "alias_copy", "flatten", "unflatten"):
+            updated = new.reshape(old.shape)
+        elif name in ("permute", "permute_copy"):
+            dims = [d % max(old.ndim, 1) for d in rest[0]]
+            updated = jnp.transpose(new, np.argsort(dims)) if old.ndim else new
+        elif name in ("transpose", "transpose_copy"):
+            updated = shape.transpose(new, *rest)
+        elif name in ("t", "t_copy"):
+            updated = shape.t(new)
+        elif name in ("unbind", "unbind_copy"):
+            updated = shape.select_scatter(old, new, rest[0] if rest else kw.get("dim", 0), index)
+        elif name in ("split", "split_with_sizes", "split_copy", "split_with_sizes_copy"):
+            dim = (rest[1] if len(rest) > 1 else kw.get("dim", 0)) % old.ndim
+            sizes = rest[0] if name.startswith("split_with_sizes") else [rest[0]] * (old.shape[dim] // rest[0] + 1)
+            start = sum(sizes[:index])
+            updated = shape.slice_scatter(old, new, dim, start, start + new.shape[dim])
+        else:
+            raise UnsupportedOp(func, f" (it writes through a view made by {view_op}, which JaxMode cannot write "
+                                      "back into its base)")
+        base.value = updated.astype(old.dtype)
+        view = base
 
 
 def run_decomposition(decomp, args, kwargs):

@@ -31,7 +31,7 @@ _FLOAT_UNARY = {
     aten.asinh.default: jnp.arcsinh, aten.acosh.default: jnp.arccosh, aten.atanh.default: jnp.arctanh,
     aten.erf.default: jsp.erf, aten.erfc.default: jsp.erfc, aten.erfinv.default: jsp.erfinv,
     aten.sigmoid.default: jax.nn.sigmoid, aten.reciprocal.default: jnp.reciprocal,
-    aten.lgamma.default: jsp.gammaln, aten.digamma.default: jsp.digamma,
+    aten.lgamma.default: jsp.gammaln,
     aten.i0.default: jnp.i0, aten.sinc.default: jnp.sinc, aten.deg2rad.default: jnp.deg2rad,
     aten.rad2deg.default: jnp.rad2deg,
     prims.exp.default: jnp.exp, prims.log.default: jnp.log, prims.sqrt.default: jnp.sqrt,
@@ -50,6 +50,12 @@ def _float_unary(fn):
 
 for _op, _fn in _FLOAT_UNARY.items():
     lowers(_op)(_float_unary(_fn))
+
+
+@lowers(aten.digamma.default)
+def digamma(x):
+    x = upcast(to_float(x))
+    return jnp.where(x == 0, -jnp.inf, jsp.digamma(x))  # torch: digamma(0) = -inf
 
 
 @lowers(aten.logit.default)

@@ -58,7 +58,7 @@ def index_put(x, indices, values, accumulate=False):
 @lowers(aten.index_select.default)
 def index_select(x, dim, index):
     if x.ndim == 0:
-        return jnp.take(x.reshape(1), index.reshape(-1), axis=0).reshape(index.shape)
+        return x
     return jnp.take(x, index.reshape(-1), axis=dim_of(dim, x.ndim))
 
 
@@ -87,6 +87,8 @@ def _scatter(x, dim, index, src, reduce):
         src = src[tuple(slice(0, n) for n in index.shape)].astype(x.dtype)
     else:
         src = jnp.full(index.shape, src, x.dtype)
+    if x.dtype == jnp.bool_ and reduce is not None:  # or/and on bools: reduce as int8
+        return _scatter(x.astype(jnp.int8), dim, index, src.astype(jnp.int8), reduce) != 0
     at = x.at[_grid(index, d)]
     if reduce is None:
         return at.set(src)
@@ -185,6 +187,8 @@ def masked_select(x, mask):
 
 @lowers(aten.nonzero.default)
 def nonzero(x):
+    if x.ndim == 0:
+        return jnp.zeros((int(_concrete_mask(x, "aten.nonzero") != 0), 0), jnp.int64)
     return jnp.stack(np.nonzero(_concrete_mask(x, "aten.nonzero")), axis=-1).astype(jnp.int64).reshape(-1, x.ndim)
 
 

@@ -42,7 +42,13 @@ def addmm(bias, x, y, *, beta=1, alpha=1):
 
 @lowers(aten.addbmm.default)
 def addbmm(bias, x, y, *, beta=1, alpha=1):
-    return _scaled_sum(bias, jnp.sum(_matmul(x, y), axis=0), beta, alpha)
+    products = _matmul(x, y)
+    if x.dtype in LOW_PRECISION:  # torch adds one rounded product per batch element
+        total = jnp.zeros(products.shape[1:], x.dtype)
+        for b in range(products.shape[0]):
+            total = (total + products[b]).astype(x.dtype)
+        return _scaled_sum(bias, total, beta, alpha)
+    return _scaled_sum(bias, jnp.sum(products, axis=0), beta, alpha)
 
 
 @lowers(aten.addr.default)

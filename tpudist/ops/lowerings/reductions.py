@@ -176,6 +176,7 @@ def logsumexp(x, dim, keepdim=False):
 
 @lowers(aten.linalg_vector_norm.default)
 def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    x = jnp.asarray(x)
     x = jnp.abs(upcast(x.astype(to_jax_dtype(dtype)) if dtype is not None else x))
     axes = dims_of(dim, x.ndim)
     if ord == float("inf"):
@@ -211,23 +212,21 @@ def logcumsumexp(x, dim):
 
 
 def _cum_extreme(x, dim, largest):
+    """Running max/min and the index torch reports: the latest position where the running value was
+    reached (``x[j] >= running``, NaN always wins), i.e. the running max of those positions."""
     if not x.ndim:
         return x, jnp.zeros((), jnp.int64)
     d = dim_of(dim, x.ndim)
-    n = x.shape[d]
+    y = x.astype(jnp.int8) if x.dtype == jnp.bool_ else x
+    running = (jax.lax.cummax if largest else jax.lax.cummin)(y, axis=d)
+    if is_float(x):  # lax.cummax does not propagate NaN: carry it explicitly
+        seen_nan = jax.lax.cummax(jnp.isnan(y).astype(jnp.int8), axis=d) > 0
+        running = jnp.where(seen_nan, jnp.nan, running)
+        hit = (y == running) | jnp.isnan(y)
+    else:
+        hit = y == running
     iota = jax.lax.broadcasted_iota(jnp.int64, x.shape, d)
-
-    def combine(a, b):  # (value, index): the later index wins ties, as torch's cummax
-        (va, ia), (vb, ib) = a, b
-        better = (vb >= va) if largest else (vb <= va)
-        if is_float(x):
-            better = better | jnp.isnan(vb)
-            better = better & ~(jnp.isnan(va) & ~jnp.isnan(vb))
-        return jnp.where(better, vb, va), jnp.where(better, ib, ia)
-
-    if n == 0:
-        return x, iota
-    return jax.lax.associative_scan(combine, (x, iota), axis=d)
+    return running.astype(x.dtype), jax.lax.cummax(jnp.where(hit, iota, -1), axis=d)
 
 
 @lowers(aten.cummax.default)
