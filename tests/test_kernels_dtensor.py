@@ -7,7 +7,6 @@ the full output and the full gradients with torch on the full tensors in one pro
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 from jax.sharding import PartitionSpec as P
