@@ -204,3 +204,33 @@ def test_functional_collectives_match_eager(pool2):
     for same, programs in pool2.run(funcol_ops, timeout=120):
         assert same == [True] * 5, same
         assert len(programs) == 1 and {"all-reduce", "all-gather", "reduce-scatter", "all-to-all"} <= set(programs[0][1]), programs
+
+
+def two_axis_graph():
+    """Collectives on both axes of a 2x2 DeviceMesh in one compiled graph = the same funcol calls eagerly."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tpudist.compile.program import STATS
+
+    torch._dynamo.reset()  # noqa: SLF001
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def fn(x):
+        a = funcol.all_reduce(x * 2, "sum", (mesh, 1))  # over tp: ranks {0,1} / {2,3}
+        b = funcol.all_gather_tensor(a + 1, 0, (mesh, 0))  # over dp: ranks {0,2} / {1,3}
+        return funcol.reduce_scatter_tensor(b, "avg", 0, (mesh, 1)), a
+
+    x = torch.arange(8, dtype=torch.float32).reshape(4, 2) * (dist.get_rank() + 1)
+    before = len(STATS.collective_programs)
+    got = torch.compile(fn, backend="tpu", fullgraph=True, dynamic=False)(x)
+    want = fn(x)
+    return [torch.equal(g, w) for g, w in zip(got, want)], STATS.collective_programs[before:]
+
+
+def test_two_mesh_axes_in_one_program(pool4):
+    for same, programs in pool4.run(two_axis_graph, timeout=180):
+        assert same == [True, True], same
+        assert len(programs) == 1 and {"all-reduce", "all-gather", "reduce-scatter"} <= set(programs[0][1]), programs

@@ -85,10 +85,11 @@ def to_torch(array: Any, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(host.view(raw_dtype).copy()).view(dtype)
 
 
-def drop_leading(t: torch.Tensor) -> torch.Tensor:
-    """``t[0]`` of a ``(1, *shape)`` block as a tensor of its own over the same memory (not a view:
-    FSDP2 warns about blocks returning views, whose in-place use would skip its backward hook)."""
+def drop_leading(t: torch.Tensor, n: int = 1) -> torch.Tensor:
+    """A ``(1, ..., 1, *shape)`` block (``n`` ones) as a tensor of ``shape`` of its own over the same
+    memory (not a view: FSDP2 warns about blocks returning views, whose in-place use would skip its
+    backward hook)."""
     out = torch.empty(0, dtype=t.dtype)
     with torch.no_grad():
-        out.set_(t.untyped_storage(), t.storage_offset(), t.shape[1:], t.stride()[1:])
+        out.set_(t.untyped_storage(), t.storage_offset(), t.shape[n:], t.stride()[n:])
     return out

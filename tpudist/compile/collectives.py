@@ -22,7 +22,11 @@ branches or shapes) get :class:`~tpudist.sharding.PlanMismatch` naming them, a r
 comes :class:`~tpudist.sharding.AgreementTimeout`. Every call then runs on the process's comm
 stream, in order with the group's eager collectives, after a fingerprint exchange (unless
 ``TPUDIST_VERIFY=0``) so ranks calling different programs raise instead of pairing wrongly.
-Graphs whose collectives name several groups, or a non-"tpu" group, are refused with the reason.
+
+Collectives on several groups (the axes of a DeviceMesh: "dp" and "tp" of a 2x2 mesh) make one
+program over an N-D mesh whose axis k is group k, rebuilt from the groups' global ranks (each must
+be an arithmetic progression through this rank, as DeviceMesh cuts them); other layouts, and
+non-"tpu" groups, are refused with the reason.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import os
 from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -70,21 +75,14 @@ def for_graph(gm: torch.fx.GraphModule) -> "GraphCollectives | None":
         names.setdefault(group, node)
     if not names:
         return None
-    if len(names) > 1:
-        raise NotImplementedError(
-            f"a compiled graph with collectives on {len(names)} groups ({sorted(names)}) is not supported yet: "
-            "tpudist compiles one group's collectives per graph. Compile smaller regions (e.g. each block) "
-            "so each graph uses one group, or let FSDP's collectives stay eager (they do by default)")
-    group_name, node = next(iter(names.items()))
-    return GraphCollectives(group_name, node)
+    return GraphCollectives(names)
 
 
 class GraphCollectives:
     """The group a graph's collectives run over, and how to lower, wrap and run the graph on it."""
 
-    def __init__(self, group_name: str, node):
-        import jax
-        from jax.sharding import NamedSharding
+    def __init__(self, groups: dict):
+        from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec as P
 
         import torch.distributed.distributed_c10d as c10d
@@ -92,25 +90,42 @@ class GraphCollectives:
         from tpudist.process_group import programs, runtime
         from tpudist.process_group.group import ProcessGroupTPU
 
-        pg = c10d._resolve_process_group(group_name)  # noqa: SLF001
-        if not isinstance(pg, ProcessGroupTPU):
-            raise UnsupportedGraph(
-                f"{node.target} at {user_line(node)} runs on group {group_name!r} of backend "
-                f"{getattr(pg, 'name', lambda: type(pg).__name__)()}; collectives inside compiled graphs need a "
-                "\"tpu\" process group (init_process_group('tpu')), or compile with the eager backend")
-        self.group_name = group_name
-        self.pg = pg
-        self.ranks = tuple(pg.global_ranks)
-        self.size = len(self.ranks)
-        self.axis = programs.AXIS
-        self.mesh = programs.mesh_of(self.ranks)
-        self.device = runtime.current().local_device
-        self.input_sharding = NamedSharding(self.mesh, P(self.axis))
-        self.key = f"collectives over global ranks {self.ranks}"
+        pgs = {}
+        for group_name, node in groups.items():
+            pg = c10d._resolve_process_group(group_name)  # noqa: SLF001
+            if not isinstance(pg, ProcessGroupTPU):
+                raise UnsupportedGraph(
+                    f"{node.target} at {user_line(node)} runs on group {group_name!r} of backend "
+                    f"{getattr(pg, 'name', lambda: type(pg).__name__)()}; collectives inside compiled graphs need "
+                    "a \"tpu\" process group (init_process_group('tpu')), or compile with another backend")
+            pgs[group_name] = pg
+        rt = runtime.current()
+        if len(pgs) == 1:
+            (group_name, pg), = pgs.items()
+            self.axes = (programs.AXIS,)
+            self.grid = np.array(pg.global_ranks)
+            self.mesh = programs.mesh_of(tuple(pg.global_ranks))  # the group's own mesh
+        else:
+            self.grid = _grid([tuple(pg.global_ranks) for pg in pgs.values()], rt.process_id, list(pgs))
+            self.axes = tuple(f"group{i}" for i in range(len(pgs)))
+            self.mesh = Mesh(np.vectorize(rt.device, otypes=[object])(self.grid), self.axes)
+        self.axis_of = dict(zip(pgs, self.axes))
+        self.size_of = {name: len(pg.global_ranks) for name, pg in pgs.items()}
+        self.ranks = tuple(int(r) for r in self.grid.reshape(-1))
+        self.num_block_dims = len(self.axes)
+        self.device = rt.local_device
+        self.input_sharding = NamedSharding(self.mesh, P(*self.axes))
+        self.key = f"collectives over global ranks {self.grid.tolist()} on axes {self.axes}"
         self._agreed: set[str] = set()
         self._check_fn = None
-        self._timeout = getattr(pg, "_timeout", timedelta(seconds=300))
-        del jax
+        self._timeout = max((getattr(pg, "_timeout", None) or timedelta(seconds=300)) for pg in pgs.values())
+
+    def canonical(self, code: str) -> str:
+        """A graph's code with group names (which differ between ranks of a 2-D mesh: rank 0's and rank
+        2's "tp" groups are different groups) replaced by mesh axes, for the cross-rank program key."""
+        for name, axis in self.axis_of.items():
+            code = code.replace(repr(name), repr(f"<axis {axis}>"))
+        return code
 
     # -- tracing ----------------------------------------------------------------------------------
     def lower(self, target, args, kwargs, node):
@@ -118,7 +133,17 @@ class GraphCollectives:
         fn = _LOWERINGS.get(name)
         if fn is None:
             raise UnsupportedGraph(f"{target} at {user_line(node)}: no lowering inside compiled graphs")
-        return fn(self, node, *args, **kwargs)
+        if name == "wait_tensor":
+            return fn(None, node, *args, **kwargs)
+        index = _GROUP_ARG[name]
+        group = node.args[index] if len(node.args) > index else node.kwargs["group_name"]
+        return fn(_Axis(self.axis_of[group], self.size_of[group], group, self.grid_ranks(group)), node,
+                  *args, **kwargs)
+
+    def grid_ranks(self, group_name: str) -> tuple:
+        import torch.distributed.distributed_c10d as c10d
+
+        return tuple(c10d._resolve_process_group(group_name).global_ranks)  # noqa: SLF001
 
     def wrap(self, program, num_inputs: int):
         """``program`` (on one rank's blocks) as a shard_map over the group: every input and output
@@ -126,25 +151,29 @@ class GraphCollectives:
         import jax
         from jax.sharding import PartitionSpec as P
 
-        def per_rank(key_data, consts, *arrays):
-            outs = program(key_data[0], [c[0] for c in consts], *[a[0] for a in arrays])
-            return [o[None] for o in outs]
+        lead = (0,) * self.num_block_dims
+        new = (None,) * self.num_block_dims
 
-        return jax.shard_map(per_rank, mesh=self.mesh, in_specs=P(self.axis), out_specs=P(self.axis),
-                             check_vma=False)
+        def per_rank(key_data, consts, *arrays):
+            outs = program(key_data[lead], [c[lead] for c in consts], *[a[lead] for a in arrays])
+            return [o[new] for o in outs]
+
+        spec = P(*self.axes)
+        return jax.shard_map(per_rank, mesh=self.mesh, in_specs=spec, out_specs=spec, check_vma=False)
 
     def global_aval(self, aval):
         import jax
 
-        return jax.ShapeDtypeStruct((self.size, *aval.shape), aval.dtype, sharding=self.input_sharding)
+        return jax.ShapeDtypeStruct((*self.grid.shape, *aval.shape), aval.dtype, sharding=self.input_sharding)
 
     # -- running ----------------------------------------------------------------------------------
     def _put(self, arr: np.ndarray):
         import jax
         from jax._src.lib import xla_client
 
-        aval = jax.core.ShapedArray((self.size, *arr.shape), arr.dtype)
-        return xla_client.batched_device_put(aval, self.input_sharding, [arr[None]], [self.device], True)
+        aval = jax.core.ShapedArray((*self.grid.shape, *arr.shape), arr.dtype)
+        block = arr[(None,) * self.num_block_dims]
+        return xla_client.batched_device_put(aval, self.input_sharding, [block], [self.device], True)
 
     def run(self, program, tensors: list, keep: list) -> list:
         """Runs ``program`` (a GraphProgram) on this rank's tensors; this rank's output blocks."""
@@ -167,7 +196,7 @@ class GraphCollectives:
             self._verify(program.key)
             outs = exe(key, consts, *arrays)
             jax.block_until_ready(outs)
-            return [o.addressable_data(0) for o in outs]
+            return [o.addressable_data(0) for o in outs]  # (1, ..., 1, *shape)
 
         return run_in_order(f"compiled graph {program.name} over global ranks {list(self.ranks)}", task,
                             self._timeout)
@@ -191,28 +220,66 @@ class GraphCollectives:
         from jax.sharding import PartitionSpec as P
 
         if self._check_fn is None:
+            lead, new = (0,) * self.num_block_dims, (None,) * self.num_block_dims
             self._check_fn = jax.jit(jax.shard_map(
-                lambda fp: jax.lax.all_gather(fp, self.axis, axis=0, tiled=True)[None], mesh=self.mesh,
-                in_specs=P(self.axis), out_specs=P(self.axis), check_vma=False))
+                lambda fp: jax.lax.all_gather(fp[lead], self.axes, axis=0)[new], mesh=self.mesh,
+                in_specs=P(*self.axes), out_specs=P(*self.axes), check_vma=False))
         mine = np.frombuffer(hashlib.sha256(key.encode()).digest()[:8], np.int32).copy()
-        got = np.asarray(self._check_fn(self._put(mine[None])).addressable_data(0))[0]
-        if not (got == got[0]).all():
+        got = np.asarray(self._check_fn(self._put(mine)).addressable_data(0)).reshape(len(self.ranks), -1)
+        if not (got == mine).all():
             from tpudist.sharding.plan import PlanMismatch
 
-            differ = [self.ranks[i] for i in range(self.size) if not (got[i] == mine[0]).all()]
+            differ = [self.ranks[i] for i in range(len(self.ranks)) if not (got[i] == mine).all()]
             raise PlanMismatch(f"compiled graph {key[:12]} on global ranks {list(self.ranks)}: ranks {differ} are "
                                "running a different compiled program at this point (rank-dependent code paths "
                                "or shapes); every rank of the group must run the same graphs in the same order")
 
 
+def _grid(group_ranks: list[tuple], me: int, names: list) -> np.ndarray:
+    """The global ranks as an N-D grid in which each group is the line through ``me`` along one axis.
+
+    Holds for groups cut from one DeviceMesh (each an arithmetic progression of global ranks);
+    anything else is refused with the groups named.
+    """
+    strides, where = [], []
+    for ranks, name in zip(group_ranks, names):
+        steps = {b - a for a, b in zip(ranks, ranks[1:])}
+        if len(steps) > 1 or me not in ranks:
+            raise NotImplementedError(f"collectives on groups {names} in one compiled graph: group {name!r} "
+                                      f"(global ranks {list(ranks)}) is not a regular mesh axis through rank {me}; "
+                                      "compile regions that use one group each")
+        strides.append(steps.pop() if steps else 1)
+        where.append(ranks.index(me))
+    base = me - sum(i * s for i, s in zip(where, strides))
+    grid = np.full([len(r) for r in group_ranks], base, dtype=np.int64)
+    for axis, stride in enumerate(strides):
+        shape = [1] * len(strides)
+        shape[axis] = len(group_ranks[axis])
+        grid = grid + (np.arange(len(group_ranks[axis])) * stride).reshape(shape)
+    if len(set(grid.reshape(-1).tolist())) != grid.size:
+        raise NotImplementedError(f"collectives on groups {names} in one compiled graph: their ranks do not form "
+                                  "a mesh (overlapping axes); compile regions that use one group each")
+    return grid
+
+
+@dataclass(frozen=True, slots=True)
+class _Axis:
+    """What a lowering needs of its group: the mesh axis, its size, the group's name and ranks."""
+
+    axis: str
+    size: int
+    group_name: str
+    ranks: tuple
+
+
 # -- lowerings: one small function per functional collective -----------------------------------------
-def _check_size(ctx: GraphCollectives, node, group_size: int) -> None:
+def _check_size(ctx: _Axis, node, group_size: int) -> None:
     if group_size != ctx.size:
         raise UnsupportedGraph(f"{node.target} at {user_line(node)} says group_size={group_size}, group "
                                f"{ctx.group_name!r} has {ctx.size} ranks")
 
 
-def _reduce(ctx: GraphCollectives, node, x, op: str):
+def _reduce(ctx: _Axis, node, x, op: str):
     from jax import lax
 
     op = op.lower()

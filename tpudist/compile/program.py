@@ -149,7 +149,8 @@ class GraphProgram:
 
     def _key(self) -> str:
         h = hashlib.sha256()
-        h.update(self._gm.code.encode())
+        code = self._gm.code
+        h.update((code if self._collectives is None else self._collectives.canonical(code)).encode())
         h.update(repr([(a.shape, str(a.dtype)) for a in self._avals]).encode())
         for name, value in self._constants:
             h.update(name.encode())
@@ -293,7 +294,8 @@ class GraphProgram:
         for o in self._outputs:
             if o.kind == "array":
                 out = boundary.to_torch(outs[o.index], o.dtype)
-                results.append(boundary.drop_leading(out) if self._collectives is not None else out)
+                results.append(out if self._collectives is None else
+                               boundary.drop_leading(out, self._collectives.num_block_dims))
             elif o.kind == "input":
                 results.append(passthrough[o.index])
             elif o.kind == "none":
