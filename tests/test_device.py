@@ -227,6 +227,8 @@ def run_serialization():
     torch.save(sd, buf)
     buf.seek(0)
     loaded = torch.load(buf)  # weights_only=True by default in torch 2.13
+    buf.seek(0)
+    to_cpu = torch.load(buf, map_location="cpu")
     clone = copy.deepcopy(model)
     cpu_buf = io.BytesIO()
     torch.save({k: v.cpu() for k, v in sd.items()}, cpu_buf)
@@ -236,6 +238,7 @@ def run_serialization():
     x = torch.randn(2, 4)
     return {
         "devices": sorted({str(v.device) for v in loaded.values()}),
+        "map_location_cpu": sorted({str(v.device) for v in to_cpu.values()}),
         "orig": {k: v.cpu() for k, v in sd.items()},
         "loaded": {k: v.cpu() for k, v in loaded.items()},
         "deepcopy_device": str(next(clone.parameters()).device),
@@ -337,6 +340,49 @@ def run_buckets():
         full = F.scaled_dot_product_attention(qp, qp, qp, attn_mask=attention_mask(batch.key_padding_mask.to("tpu")))
         bidir = (full[:, :, :70].cpu() - F.scaled_dot_product_attention(q, q, q)).abs().max().item()
     return programs, padded[:3], unpadded, bidir, buckets.sizes
+
+
+def run_fsdp2_one_rank(steps):
+    """FSDP2 on tpu tensors over a 1-rank threaded group (torch's test PG; the "tpu" PG is separate)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+
+    import tpudist.device  # noqa: F401
+
+    _install_threaded_pg()
+    dist.init_process_group("threaded", rank=0, world_size=1, store=dist.HashStore())
+    freed = []
+    wrapped = _fsdp_param.free_storage
+
+    def counting_free(tensor):
+        freed.append(tensor.device.type)
+        return wrapped(tensor)
+
+    _fsdp_param.free_storage = counting_free
+    try:
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        model = copy.deepcopy(ref).to("tpu")
+        mesh = init_device_mesh("tpu", (1,))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+        losses = []
+        for _ in range(steps):
+            x = torch.randn(4, 8)
+            for m, o, d in ((model, opt, "tpu"), (ref, ref_opt, "cpu")):
+                loss = m(x.to(d)).square().mean()
+                loss.backward(); o.step(); o.zero_grad()
+                losses.append(loss.item())
+        diff = max((a.full_tensor().cpu() - b).abs().max().item()
+                   for a, b in zip(model.parameters(), ref.parameters()))
+    finally:
+        _fsdp_param.free_storage = wrapped
+        dist.destroy_process_group()
+    return losses[0::2], losses[1::2], diff, freed
 
 
 def run_import_state():
@@ -445,6 +491,7 @@ def test_errors_are_torchs(dev):
 def test_serialization_and_deepcopy(dev):
     out = dev(run_serialization)
     assert out["devices"] == ["tpu:0"]
+    assert out["map_location_cpu"] == ["cpu"]
     for k, v in out["orig"].items():
         assert torch.equal(v, out["loaded"][k]), k
     assert out["deepcopy_device"] == "tpu:0"
@@ -479,3 +526,11 @@ def test_buckets_bound_programs_and_keep_results(dev):
     for p, u in zip(padded, unpadded):
         assert abs(p - u) <= 1e-6 * abs(u), (p, u)
     assert bidir <= 1e-6
+
+
+def test_fsdp2_frees_and_reallocates_tpu_storages(dev):
+    got, ref, diff, freed = dev(run_fsdp2_one_rank, 3)
+    for g, r in zip(got, ref):
+        assert abs(g - r) <= 1e-5 * abs(r), (g, r)
+    assert diff <= 1e-6
+    assert "tpu" in freed  # FSDP2 freed unsharded tpu parameters through the wrapped free_storage
