@@ -3,8 +3,10 @@
     python benchmarks/compile_step.py                        # the recipe's model, fp32 and bf16
     python benchmarks/compile_step.py --dim 256 --seq-len 128 --batch 4 --rounds 20
     python benchmarks/compile_step.py --cold                 # empty program caches (first-step cost)
+    python benchmarks/compile_step.py --ranks 4 --mesh 1,2,2 # the recipe's trainer: FSDP2+TP, --compile or not
 
-One process. A step is forward + cross-entropy + backward (compiled, or eager) + AdamW (eager).
+One process (or --ranks N "tpu" ranks running the recipe's Trainer, whose --compile compiles each
+block's forward). A step is forward + cross-entropy + backward (compiled, or eager) + AdamW (eager).
 Each variant first runs one step (timed: the first-step/compile time), then the variants take turns,
 one step each, for --rounds rounds, so machine noise hits them alike. Prints medians and each
 variant's ratio to eager (< 1: faster than eager).
@@ -33,7 +35,65 @@ def _parse(argv):
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--variants", default="eager,tpu,inductor")
     p.add_argument("--cold", action="store_true", help="start with empty tpudist and inductor caches")
+    p.add_argument("--ranks", type=int, default=0, help="run the recipe's Trainer on this many ranks instead")
+    p.add_argument("--mesh", default="", help="with --ranks: dp_replicate,dp_shard,tp (empty: FSDP over all)")
     return p.parse_args(argv)
+
+
+def _trainer_steps(overrides: dict, variants: list[str], rounds: int) -> dict:
+    """On each rank: one Trainer per variant from the same config, stepped in turn."""
+    import time as _time
+
+    from tpudist.training import TrainConfig, Trainer
+
+    trainers = {}
+    for name in variants:
+        extra = {} if name == "eager" else {"compile": True, "compile_backend": name}
+        trainers[name] = Trainer(TrainConfig(**overrides, **extra))
+    first, times, losses = {}, {n: [] for n in variants}, {}
+    for name, trainer in trainers.items():
+        start = _time.perf_counter()
+        trainer.train_step(1)
+        first[name] = _time.perf_counter() - start
+    for step in range(2, rounds + 2):
+        for name, trainer in trainers.items():
+            metrics = trainer.train_step(step)
+            times[name].append(metrics.step_time_s)
+            losses[name] = metrics.loss
+    for trainer in trainers.values():
+        trainer.close()
+    return {"first": first, "times": times, "losses": losses}
+
+
+def _report(title: str, variants: list[str], first: dict, times: dict, losses: dict) -> None:
+    base = statistics.median(times["eager"]) if "eager" in times else None
+    print(f"\n{title}: {'variant':<10} {'step ms':>9} {'x eager':>8} {'first step s':>13} {'loss':>9}")
+    for name in variants:
+        med = statistics.median(times[name])
+        ratio = f"{med / base:8.2f}" if base else "       -"
+        print(f"{'':{len(title) + 1}} {name:<10} {med * 1e3:9.2f} {ratio} {first[name]:13.2f} {losses[name]:9.4f}")
+
+
+def _distributed(args) -> None:
+    from tpudist.testing import RankPool
+
+    overrides = dict(vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+                     n_kv_heads=args.n_kv_heads, seq_len=args.seq_len, global_batch=args.batch,
+                     steps=args.rounds + 1, log_every=10 ** 6)
+    if args.mesh:
+        overrides["mesh"] = tuple(int(x) for x in args.mesh.split(","))
+    variants = [v for v in args.variants.split(",") if v != "inductor"]  # inductor: minutes of C++ per rank
+    import compile_step  # rank processes import the step function by module name, not __main__
+
+    for dtype_name in args.dtypes.split(","):
+        with RankPool(args.ranks) as pool:
+            results = pool.run(compile_step._trainer_steps, dict(overrides, param_dtype=dtype_name), variants, args.rounds,
+                               timeout=1800)
+        # the slowest rank sets the step time
+        first = {n: max(r["first"][n] for r in results) for n in variants}
+        times = {n: [max(r["times"][n][i] for r in results) for i in range(args.rounds)] for n in variants}
+        _report(f"{dtype_name} {args.ranks} ranks mesh {args.mesh or 'fsdp'}", variants, first, times,
+                results[0]["losses"])
 
 
 def main(argv=None) -> None:
@@ -41,6 +101,9 @@ def main(argv=None) -> None:
     if args.cold:
         os.environ["TPUDIST_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpudist-bench-")
         os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+    if args.ranks:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        return _distributed(args)
     import torch
     import torch.nn.functional as F
 
@@ -87,13 +150,7 @@ def main(argv=None) -> None:
             for name in variants:
                 elapsed, losses[name] = step(name)
                 times[name].append(elapsed)
-        base = statistics.median(times["eager"]) if "eager" in times else None
-        print(f"\n{dtype_name}: {'variant':<10} {'step ms':>9} {'x eager':>8} {'first step s':>13} {'loss':>9}")
-        for name in variants:
-            med = statistics.median(times[name])
-            ratio = f"{med / base:8.2f}" if base else "       -"
-            print(f"{'':{len(dtype_name) + 1}} {name:<10} {med * 1e3:9.2f} {ratio} {first[name]:13.2f} "
-                  f"{losses[name]:9.4f}")
+        _report(dtype_name, list(variants), first, times, losses)
 
 
 if __name__ == "__main__":
