@@ -161,17 +161,33 @@ def run_fused_dropout(steps):
     return programs, losses, torch.tpu.cache_stats()["cpu_fallback_ops"]
 
 
-def run_debug_embedding():
+def run_debug_checks():
     import tpudist.device  # noqa: F401
 
+    out = {}
     emb = torch.nn.Embedding(10, 4).to("tpu")
+    x = torch.arange(12.).view(3, 4).to("tpu")
     with torch.tpu.eager_mode("debug"):
-        ok = emb(torch.tensor([1, 9], device="tpu")).cpu()
+        out["ok_shape"] = tuple(emb(torch.tensor([1, 9], device="tpu")).shape)
+        for name, fn in {"embedding": lambda: emb(torch.tensor([1, 10], device="tpu")),
+                         "gather": lambda: x.gather(1, torch.tensor([[0], [9], [1]], device="tpu")),
+                         "index": lambda: x[torch.tensor([0, 3], device="tpu")]}.items():
+            try:
+                fn()
+                out[name] = None
+            except IndexError as e:
+                out[name] = str(e)
+        torch.tpu.set_nan_check(True)
         try:
-            emb(torch.tensor([1, 10], device="tpu"))
-        except IndexError as e:
-            return ok.shape, str(e)
-    return ok.shape, None
+            torch.tensor([-1.0, 4.0], device="tpu").sqrt()
+            out["nan"] = None
+        except FloatingPointError as e:
+            out["nan"] = str(e)
+        finally:
+            torch.tpu.set_nan_check(False)
+    with torch.tpu.eager_mode("strict"):  # strict does not check (XLA clamps): documented, not an error
+        out["strict_no_check"] = tuple(emb(torch.tensor([10], device="tpu")).cpu().shape)
+    return out
 
 
 def run_errors():
@@ -214,6 +230,13 @@ def run_errors():
         out["fallback_stats"] = torch.tpu.cache_stats()["cpu_fallback_ops"]
     finally:
         torch.tpu.set_cpu_fallback(False)
+    os.environ["TPUDIST_STRICT_OPS"] = "1"
+    try:
+        torch.tpu.set_cpu_fallback(True)
+    except ValueError as e:
+        out["strict_ops"] = str(e)
+    finally:
+        del os.environ["TPUDIST_STRICT_OPS"]
     return out
 
 
@@ -464,10 +487,14 @@ def test_fused_compiles_nothing_after_step_two_with_dropout(dev):
     assert fallback == {}
 
 
-def test_debug_raises_at_out_of_range_embedding_index(dev):
-    shape, message = dev(run_debug_embedding)
-    assert shape == (2, 4)
-    assert message is not None and "aten.embedding" in message and "index 10" in message
+def test_debug_raises_at_the_faulty_op(dev):
+    out = dev(run_debug_checks)
+    assert out["ok_shape"] == (2, 4)
+    assert "aten.embedding" in out["embedding"] and "index 10" in out["embedding"] and "size 10" in out["embedding"]
+    assert "aten.gather" in out["gather"] and "index 9" in out["gather"]
+    assert "aten.index.Tensor" in out["index"] and "index 3" in out["index"]
+    assert "aten.sqrt" in out["nan"] and "NaN" in out["nan"]
+    assert out["strict_no_check"] == (1, 4)
 
 
 def test_errors_are_torchs(dev):
@@ -486,6 +513,7 @@ def test_errors_are_torchs(dev):
     assert torch.equal(out["fallback"], torch.full((2,), 2.0))
     assert out["fallback_warnings"] == 1  # warned once per op
     assert out["fallback_stats"] == {"tpudist_devtest.twice.default": 2}
+    assert "TPUDIST_STRICT_OPS=1 forbids the CPU fallback" in out["strict_ops"]
 
 
 def test_serialization_and_deepcopy(dev):
