@@ -139,7 +139,8 @@ def test_tp_block_collectives_inside_the_program(pool2):
 
 
 def divergent_graphs():
-    """Rank 1 compiles a graph of another shape than rank 0: both must raise, not hang."""
+    """Ranks running different compiled graphs must all raise, not hang: (a) both compile new graphs
+    of different shapes, (b) rank 0 reruns an agreed program while rank 1 brings a new one."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -152,22 +153,26 @@ def divergent_graphs():
         return funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
 
     compiled = torch.compile(fn, backend="tpu", fullgraph=True, dynamic=False)
-    size = 6 + dist.get_rank()  # both ranks compile anew, with different shapes
+    rank = dist.get_rank()
     same = compiled(torch.ones(4)).tolist()  # every rank the same graph first: agreed, runs
-    try:
-        compiled(torch.ones(size))
-    except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error
-        cause = e
-        while cause is not None and not isinstance(cause, PlanMismatch):
-            cause = cause.__cause__ or cause.__context__
-        return same, type(cause).__name__ if cause is not None else repr(e)
-    return same, "no error"
+    outcomes = []
+    for size in (6 + rank, 4 if rank == 0 else 9):
+        try:
+            compiled(torch.ones(size))
+            outcomes.append("no error")
+        except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error
+            cause = e
+            while cause is not None and not isinstance(cause, PlanMismatch):
+                cause = cause.__cause__ or cause.__context__
+            outcomes.append(type(cause).__name__ if cause is not None else repr(e))
+    after = compiled(torch.ones(4)).tolist()  # the ranks are still in step afterwards
+    return same, outcomes, after
 
 
 def test_rank_divergent_graphs_raise(pool2):
-    for same, outcome in pool2.run(divergent_graphs, timeout=120):
-        assert same == [5.0] * 4  # (1 * 2) summed over 2 ranks, + 1
-        assert outcome == "PlanMismatch", outcome
+    for same, outcomes, after in pool2.run(divergent_graphs, timeout=120):
+        assert same == after == [5.0] * 4  # (1 * 2) summed over 2 ranks, + 1
+        assert outcomes == ["PlanMismatch", "PlanMismatch"], outcomes
 
 
 def funcol_ops():

@@ -16,12 +16,12 @@ broadcast                            psum of the source's block
 wait_tensor                          nothing (XLA orders the program)
 ==================================  =====================================
 
-Before a program first runs, the group's ranks agree on it through the store
-(``tpudist.sharding.plan.settle``): ranks that compiled different graphs (rank-dependent
-branches or shapes) get :class:`~tpudist.sharding.PlanMismatch` naming them, a rank that never
-comes :class:`~tpudist.sharding.AgreementTimeout`. Every call then runs on the process's comm
-stream, in order with the group's eager collectives, after a fingerprint exchange (unless
-``TPUDIST_VERIFY=0``) so ranks calling different programs raise instead of pairing wrongly.
+Every call runs on the process's comm stream, in order with the group's eager collectives. It
+starts with a fingerprint exchange inside XLA (unless ``TPUDIST_VERIFY=0``): ranks calling
+different compiled programs (rank-dependent branches or shapes) all raise
+:class:`~tpudist.sharding.PlanMismatch` instead of pairing wrongly. Before a program's first run
+the ranks also agree on it through the store (``tpudist.sharding.plan.settle``: the same error
+naming the ranks, or :class:`~tpudist.sharding.AgreementTimeout` for a rank that never comes).
 
 Collectives on several groups (the axes of a DeviceMesh: "dp" and "tp" of a 2x2 mesh) make one
 program over an N-D mesh whose axis k is group k, rebuilt from the groups' global ranks (each must
@@ -182,7 +182,6 @@ class GraphCollectives:
         from tpudist.compile import boundary
         from tpudist.sharding.plan import run_in_order
 
-        self._agree(program)
         arrays = []
         for t in tensors:
             arr, owner = boundary.numpy_view(t.detach())
@@ -193,7 +192,10 @@ class GraphCollectives:
         exe = program._exe.compiled  # noqa: SLF001
 
         def task():
+            # The in-XLA fingerprint exchange first: a rank running an agreed program and a rank
+            # bringing a new one meet there (and both raise) instead of one waiting in the store.
             self._verify(program.key)
+            self._agree(program)
             outs = exe(key, consts, *arrays)
             jax.block_until_ready(outs)
             return [o.addressable_data(0) for o in outs]  # (1, ..., 1, *shape)
