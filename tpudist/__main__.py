@@ -70,11 +70,17 @@ def _warmup(args: argparse.Namespace) -> int:
     path = enable_persistent_cache()
     if path is None:
         raise _UsageError("TPUDIST_CACHE_DIR=0 turns the persistent compile cache off: nothing to warm up")
+    from jax import monitoring
+
+    hits = []
+    monitoring.register_event_listener(  # this process only runs the command
+        lambda event, **_: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
     start = time.perf_counter()
     count = library.warmup(batch=args.batch, seq_len=args.seq_len, dim=args.dim, n_heads=args.heads,
                            dtypes=tuple(dtypes), eps=args.eps)
-    print(f"warmup: compiled {count} kernel programs ({', '.join(k.name for k in library.KERNELS)}; "
-          f"forward and backward) in {time.perf_counter() - start:.1f} s into {path}")
+    print(f"warmup: {count} kernel programs ({', '.join(k.name for k in library.KERNELS)}; forward and "
+          f"backward) in the cache {path}: {count - len(hits)} compiled, {len(hits)} already there "
+          f"({time.perf_counter() - start:.1f} s)")
     return 0
 
 
