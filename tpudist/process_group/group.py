@@ -30,6 +30,7 @@ from tpudist.process_group.work import (STREAM, CollectiveError, CollectiveMisma
                                         CollectiveTimeout, Work)
 
 BACKEND_NAME = "tpu"
+_CONNECT_S = 30  # XLA's key-value timeout for connecting a device set's gloo context
 
 _REDUCE_NAMES = {
     dist.ReduceOp.SUM: programs.SUM, dist.ReduceOp.AVG: programs.AVG,
@@ -77,8 +78,9 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         if size > 1:
             # XLA connects a device set's gloo context on its first collective, under a fixed 30 s
             # key-value timeout rather than the group's; connecting now keeps later collectives
-            # under the group timeout (and a member that never came fails group creation).
-            self.barrier().wait()
+            # under the group timeout (and a member that never came fails group creation). A group
+            # timing itself from the caller's side (see _enqueue) allows that connection its 30 s.
+            self.barrier().wait(max(timeout, timedelta(seconds=_CONNECT_S)))
 
     # -- identity (torch looks groups up by name: FACTS.md) ---------------------------------------
     def getBackendName(self) -> str:
