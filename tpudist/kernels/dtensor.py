@@ -153,7 +153,15 @@ def _backward(kernel, func, over_mesh, args, kwargs) -> Any:
 
 
 def _over_mesh(kernel, program, mesh, inputs, tensors, statics) -> Any:
+    from torch._subclasses.fake_tensor import is_fake
+
     from tpudist.sharding import jax_mesh
+
+    if any(t is not None and is_fake(t._local_tensor) for t in tensors):  # noqa: SLF001
+        raise NotImplementedError(
+            f"kernel {kernel.name} has no shard_dims, so on DTensors it runs as its own XLA program over "
+            "the mesh, which torch.compile cannot trace into a graph; call it outside the compiled region "
+            "(torch.compiler.disable) or, if it works shard by shard, declare shard_dims")
 
     with torch.no_grad(), _mesh_scope(jax_mesh(mesh)):
         kernel.abstract_outputs(inputs, statics)  # checks the global shapes and dtypes
