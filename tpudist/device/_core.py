@@ -299,7 +299,7 @@ def _signature(op, args, kwargs, static_floats: bool):
         else:
             sig.append(("S", x if not isinstance(x, list) else tuple(x)))
     slots = tuple((b.numel, b.dtype, b.value is None) for b in buffers)
-    key = (op, treedef, tuple(sig), slots, static_floats)
+    key = (id(op), treedef, tuple(sig), slots, static_floats)  # id: OpOverload.__hash__ is Python
     return key, leaves, buffers, scalars
 
 
@@ -387,7 +387,7 @@ class _DataDependent(Exception):
 
 
 def kernel_for(op, args, kwargs):
-    static = op in _STATIC_FLOAT_OPS
+    static = id(op) in _STATIC_FLOAT_OPS
     key, leaves, buffers, scalars = _signature(op, args, kwargs, static)
     kernel = _KERNELS.get(key)
     if kernel is None:
@@ -398,7 +398,7 @@ def kernel_for(op, args, kwargs):
                 jax.errors.TracerIntegerConversionError):
             if static:
                 raise
-            _STATIC_FLOAT_OPS.add(op)
+            _STATIC_FLOAT_OPS.add(id(op))
             return kernel_for(op, args, kwargs)
         _KERNELS[key] = kernel
     else:

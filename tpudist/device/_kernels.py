@@ -34,6 +34,12 @@ def view_kernel(op, *args, **kwargs):
         return op.redispatch(core.META, *args, **kwargs)
 
 
+def execute_kernel(op, *args, **kwargs):
+    """The kernel of an op known to be neither special nor a view (every lowered aten op)."""
+    with rt.LOCK:
+        return core.execute(op, args, kwargs)
+
+
 def generic_kernel(op, *args, **kwargs):
     special = _SPECIAL.get(op)
     if special is not None:
@@ -180,7 +186,8 @@ def register() -> None:
         impl(op, functools.partial(view_kernel, op))
     for op in tops.lowered_ops():
         if op._schema.name.startswith("aten::") and op.name() not in done and not is_view_op(op):  # noqa: SLF001
-            impl(op, functools.partial(generic_kernel, op))
+            impl(op, functools.partial(execute_kernel, op))
             for twin in _twins(op):
-                impl(twin, functools.partial(generic_kernel, twin))
+                if twin not in _SPECIAL:
+                    impl(twin, functools.partial(execute_kernel, twin))
     fallback_lib.fallback(generic_kernel, "PrivateUse1")
