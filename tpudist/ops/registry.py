@@ -40,10 +40,11 @@ def lowers(*ops) -> Callable[[Lowering], Lowering]:
     A second registration of the same overload replaces the first (user kernels may override ours).
     """
 
+    overloads = [overload for op in ops for overload in _overloads(op)]
+
     def register(fn: Lowering) -> Lowering:
-        for op in ops:
-            for overload in _overloads(op):
-                _TABLE[overload] = fn
+        for overload in overloads:
+            _TABLE[overload] = fn
         return fn
 
     return register

@@ -266,6 +266,8 @@ def pow_tensor_tensor(x, y):
 
 @lowers(aten.pow.Scalar)
 def pow_scalar(base, exponent):
+    if not is_array(exponent):  # reached with a tensor base (e.g. a 0-d one) and a number exponent
+        return pow_tensor_scalar(jnp.asarray(base), exponent)
     base, exponent = promote(base, exponent)
     if exponent.dtype == jnp.bool_:
         exponent = exponent.astype(jnp.int64)

@@ -120,6 +120,9 @@ def scatter_add(x, dim, index, src):
 
 @lowers(aten.scatter_reduce.two)
 def scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
+    if x.dtype == jnp.bool_:
+        return scatter_reduce(x.astype(jnp.int8), dim, index, src.astype(jnp.int8), reduce,
+                              include_self=include_self) != 0
     if reduce == "mean":
         count = _scatter(jnp.ones(x.shape, jnp.int64) if include_self else jnp.zeros(x.shape, jnp.int64),
                          dim, index, jnp.ones(index.shape, jnp.int64), "add")

@@ -43,11 +43,11 @@ def addmm(bias, x, y, *, beta=1, alpha=1):
 @lowers(aten.addbmm.default)
 def addbmm(bias, x, y, *, beta=1, alpha=1):
     products = _matmul(x, y)
-    if x.dtype in LOW_PRECISION:  # torch adds one rounded product per batch element
-        total = jnp.zeros(products.shape[1:], x.dtype)
+    if x.dtype in LOW_PRECISION:  # torch starts from beta * bias and adds one rounded product per batch
+        total = jnp.broadcast_to(_scaled_sum(bias, jnp.zeros(products.shape[1:], x.dtype), beta, 1), products.shape[1:])
         for b in range(products.shape[0]):
-            total = (total + products[b]).astype(x.dtype)
-        return _scaled_sum(bias, total, beta, alpha)
+            total = (total.astype(jnp.float32) + products[b] * alpha).astype(x.dtype)
+        return total
     return _scaled_sum(bias, jnp.sum(products, axis=0), beta, alpha)
 
 

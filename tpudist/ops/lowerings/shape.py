@@ -292,8 +292,8 @@ def unfold(x, dimension, size, step):
 
 @lowers(prims.collapse_view.default, prims.collapse.default)
 def collapse(x, start, end):
-    return x.reshape(*x.shape[:start], -1, *x.shape[end:]) if x.size else x.reshape(
-        *x.shape[:start], math.prod(x.shape[start:end]), *x.shape[end:])
+    end = end + 1  # prims' end is inclusive
+    return x.reshape(*x.shape[:start], math.prod(x.shape[start:end]), *x.shape[end:])
 
 
 @lowers(prims.split_dim.default)
