@@ -16,6 +16,7 @@ One kernel serves every op (registered per op and as the PrivateUse1 fallback):
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 
@@ -362,6 +363,7 @@ def _build(op, key, leaves):
     specs = list(sig)
     kernel = Kernel(op, functional, form, treedef, specs, [(n, d) for n, d, _ in slots], targets,
                     n_scalars, random, fresh, returns)
+    kernel.stable_id = hashlib.sha256(repr((str(op), key[1:])).encode()).hexdigest()[:24]
     # trace once now: a missing lowering or a lowering error is raised here, at the op
     sc = jax.ShapeDtypeStruct((n_scalars + 2 * random,), _F64)
     arrays = [None if uninit else jax.ShapeDtypeStruct((n,), tops.to_jax_dtype(d)) for n, d, uninit in slots]

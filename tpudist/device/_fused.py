@@ -11,7 +11,9 @@ counters are one float64 input vector, so a steady-state training step compiles 
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
 import time
 import weakref
 
@@ -95,10 +97,63 @@ def _program(nodes, live):
         env = []
         for kernel, refs, base in nodes:
             arrays = [None if r is None else (env[r] if r >= 0 else inputs[-1 - r]) for r in refs]
-            env.extend(kernel.trace(arrays, sc, base))
+            try:
+                env.extend(kernel.trace(arrays, sc, base))
+            except Exception as e:
+                raise type(e)(f"{kernel.op} (in a fused program): {e}") from e
         return [env[i] for i in live]
 
     return jax.jit(run)
+
+
+def _disk_dir():
+    """Compiled fused programs on disk, next to JAX's persistent cache (None when it is off)."""
+    from tpudist.jax_cache import cache_dir
+
+    base = cache_dir()
+    return None if base is None else base / "tpudist_fused"
+
+
+def _disk_key(g: Graph, live) -> str:
+    import jaxlib
+
+    parts = (jax.__version__, jaxlib.__version__, str(rt.device().platform), rt.device().device_kind,
+             os.environ.get("XLA_FLAGS", ""), tuple(k.stable_id for k, _, _ in g.nodes),
+             tuple(refs for _, refs, _ in g.nodes), tuple(live),
+             tuple((tuple(a.shape), str(a.dtype)) for a in g.inputs), len(g.scalars))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _load_or_compile(g: Graph, live, sc):
+    """A fused program: deserialized from disk if an identical graph was compiled before, else compiled.
+
+    JAX's persistent cache saves XLA's compile but not the tracing of hundreds of kernels into one
+    program, which dominates a warm start; a serialized executable skips both.
+    """
+    from jax.experimental import serialize_executable
+
+    folder = _disk_dir()
+    path = None
+    if folder is not None:
+        path = folder / f"{_disk_key(g, live)}.pkl"
+        if path.exists():
+            try:
+                payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+                rt.stats["programs_from_disk"] += 1
+                return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            except Exception:  # noqa: BLE001 - a stale or truncated entry: recompile and overwrite it
+                rt.stats["disk_cache_errors"] += 1
+    with jax.enable_x64(True):
+        compiled = _program(g.nodes, live).lower(g.inputs, sc).compile()
+    if path is not None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(pickle.dumps(serialize_executable.serialize(compiled)))
+            tmp.replace(path)  # atomic: concurrent ranks of one machine may write the same entry
+        except Exception:  # noqa: BLE001 - the disk cache is an optimisation; never fail the step on it
+            rt.stats["disk_cache_errors"] += 1
+    return compiled
 
 
 def flush() -> None:
@@ -122,16 +177,14 @@ def flush() -> None:
                 bufs.append(b)
         key = (tuple(g.sig), tuple(live))
         rt.stats["graph_key_s"] += time.perf_counter() - t0
-        program = _PROGRAMS.get(key)
-        if program is None:
-            program = _PROGRAMS[key] = _program(g.nodes, live)
-            rt.stats["programs"] += 1
-            compiling = True
-        else:
-            compiling = False
         sc = np.asarray(g.scalars, np.float64) if g.scalars else np.zeros((0,), np.float64)
         t1 = time.perf_counter()
+        program = _PROGRAMS.get(key)
+        compiling = program is None
         try:
+            if compiling:
+                program = _PROGRAMS[key] = _load_or_compile(g, live, sc)
+                rt.stats["programs"] += 1
             with jax.enable_x64(True):
                 outs = program(g.inputs, sc)
         except Exception as e:
