@@ -19,8 +19,9 @@ def _batch(step: int, rank: int):
     return tokens, torch.randint(0, ARGS["vocab_size"], (2, 16), generator=gen)
 
 
-def fsdp_compiled_blocks(steps: int = 10):
-    """Losses and full parameters of FSDP2 training, eager vs each block's forward compiled."""
+def fsdp_compiled_blocks(steps: int = 10, tp: int = 1):
+    """Losses and full parameters of FSDP2 training (with tensor parallelism over ``tp`` ranks: a
+    (dp, tp) mesh), eager vs each block's forward compiled."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -29,13 +30,19 @@ def fsdp_compiled_blocks(steps: int = 10):
 
     from tpudist.compile.program import STATS
     from tpudist.training.model import ModelArgs, Transformer
+    from tpudist.training.parallelize import apply_tp
 
     torch._dynamo.reset()  # noqa: SLF001
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    mesh_2d = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = mesh_2d["dp"]
     runs = {}
+    programs_before = len(STATS.collective_programs)
     for compiled in (False, True):
         torch.manual_seed(0)
         model = Transformer(ModelArgs(**ARGS))
+        if tp > 1:
+            apply_tp(model, mesh_2d["tp"])
         for block in model.layers:
             if compiled:
                 block.forward = torch.compile(block.forward, backend="tpu", fullgraph=True, dynamic=False)
@@ -60,13 +67,20 @@ def fsdp_compiled_blocks(steps: int = 10):
                 graphs_after_step1 = STATS.graphs
         full = [p.full_tensor().detach().clone() for p in model.parameters()]
         runs[compiled] = (losses, full, freed, STATS.graphs - graphs_after_step1)
+    runs["collective_programs"] = STATS.collective_programs[programs_before:]
     return runs
 
 
-def test_fsdp2_compiled_blocks_match_eager(pool2):
+@pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)], ids=["fsdp2-2ranks", "fsdp2+tp-2x2"])
+def test_fsdp2_compiled_blocks_match_eager(world, tp, request):
     import torch
 
-    for rank, runs in enumerate(pool2.run(fsdp_compiled_blocks, timeout=300)):
+    pool = request.getfixturevalue(f"pool{world}")
+    for rank, runs in enumerate(pool.run(fsdp_compiled_blocks, 10, tp, timeout=300)):
+        # with TP the blocks' (shared) forward and backward programs hold the all-reduces; FSDP's stay eager
+        programs = runs["collective_programs"]
+        assert [name for name, _ in programs] == (["forward", "backward"] if tp > 1 else []), programs
+        assert all("all-reduce" in ops for _, ops in programs), programs
         (eager_losses, eager_params, _, _), (losses, params, freed, new_graphs) = runs[False], runs[True]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-5)
         for got, want in zip(params, eager_params):
