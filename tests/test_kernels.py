@@ -24,7 +24,6 @@ import tpudist.ops
 from tpudist.kernels import (KernelGradientError, KernelInputError, custom_jax_kernel)
 from tpudist.kernels.library import (KERNELS, attention, attention_kernel, attention_pallas_kernel, rms_norm,
                                      rms_norm_kernel)
-from tpudist.testing import RankPool
 from tpudist.training.model import RMSNorm
 
 TOL = 1e-5
@@ -267,44 +266,6 @@ def test_lowering_table_runs_the_kernels():
     out = tpudist.ops.call(attention_kernel.op, q, q, q, causal=True, scale=0.0)
     qt = torch.tensor(np.asarray(q))
     _assert_close(torch.from_dlpack(out), F.scaled_dot_product_attention(qt, qt, qt, is_causal=True))
-
-
-# -- the "tpu" device -----------------------------------------------------------------------------------
-def _close(failures, name, got, want):
-    if got.shape != want.shape or not torch.allclose(got, want, atol=TOL, rtol=TOL):
-        failures.append(f"{name}: differs from torch ({tuple(got.shape)} vs {tuple(want.shape)})")
-
-
-def check_on_tpu_device():
-    """The library kernels on "tpu" tensors (through the device's op table), each eager mode, vs CPU torch."""
-    import tpudist.device  # noqa: F401
-    from tpudist.kernels.library import attention, rms_norm
-
-    torch.manual_seed(0)
-    failures = []
-    module = _rms_module(dim=8)
-    w = module.weight
-    x, q = _inputs((4, 8), (1, 2, 5, 4))
-    want = (module(x), F.scaled_dot_product_attention(q, q, q, is_causal=True))
-    want_grads = torch.autograd.grad(want[0].sum() + want[1].sum(), (x, w, q))
-    for mode in ("strict", "fused"):
-        torch.tpu.set_eager_mode(mode)
-        xt, wt, qt = (t.detach().to("tpu").requires_grad_() for t in (x, w, q))
-        got = (rms_norm(xt, wt, 1e-5), attention(qt, qt, qt))
-        if any(g.device.type != "tpu" for g in got):
-            failures.append(f"{mode}: outputs on {[g.device for g in got]}")
-        grads = torch.autograd.grad(got[0].sum() + got[1].sum(), (xt, wt, qt))
-        for name, a, b in zip(("rms_norm", "attention"), got, want):
-            _close(failures, f"{mode} {name}", a.cpu(), b.detach())
-        for name, a, b in zip(("x", "w", "q"), grads, want_grads):
-            _close(failures, f"{mode} grad {name}", a.cpu(), b)
-    return failures
-
-
-def test_on_tpu_device():
-    """In a fresh process: the device must be installed before autograd first runs in a process."""
-    with RankPool(1, backend=None) as pool:
-        assert pool.run(check_on_tpu_device) == [[]]
 
 
 # -- bad input ------------------------------------------------------------------------------------
