@@ -58,6 +58,7 @@ class Stats:
 STATS = Stats()
 _cache: dict[str, "_Executable"] = {}
 _lock = threading.Lock()
+_listening = []
 
 
 def clear_cache() -> None:
@@ -70,6 +71,21 @@ def clear_cache() -> None:
 class _Executable:
     compiled: Any  # jax.stages.Compiled
     num_keys: int  # random keys the program draws (0: no torch RNG is consumed)
+    serializable: bool = True  # False when XLA's executable came out of JAX's own cache (see _compile)
+    from_disk: bool = False
+
+
+_jax_cache_hits = [0]
+
+
+def _count_jax_cache_hits() -> None:
+    import jax
+
+    def listener(event: str, **kwargs) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            _jax_cache_hits[0] += 1
+
+    jax.monitoring.register_event_listener(listener)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,15 +223,22 @@ class GraphProgram:
             key_aval, const_avals, avals = (self._collectives.global_aval(key_aval),
                                             [self._collectives.global_aval(a) for a in const_avals],
                                             [self._collectives.global_aval(a) for a in avals])
+        if not _listening:
+            _count_jax_cache_hits()
+            _listening.append(True)
+        hits = _jax_cache_hits[0]
         with jax.enable_x64(True):
             lowered = jax.jit(fn).lower(key_aval, const_avals, *avals)
             compiled = lowered.compile()
+        # An XLA:CPU executable loaded from JAX's persistent cache serializes without its compiled
+        # kernels ("Function ..._fusion not found" when the copy runs): only fresh ones go to disk.
+        serializable = _jax_cache_hits[0] == hits
         if self._collectives is not None:
             text = compiled.as_text()
             found = sorted({op for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                                           "collective-permute") if f" {op}(" in text or f"{op}-start(" in text})
             STATS.collective_programs.append((self.name, tuple(found)))
-        return _Executable(compiled, num_keys[0])
+        return _Executable(compiled, num_keys[0], serializable)
 
     # -- the on-disk executable cache (single-device programs) ------------------------------------
     def _path(self):
@@ -239,11 +262,11 @@ class GraphProgram:
         except Exception as e:  # noqa: BLE001 - a stale or partial file: compile again, say so
             log.warning("tpudist.compile: ignoring unreadable cached program %s (%s)", path, e)
             return None
-        return _Executable(compiled, num_keys)
+        return _Executable(compiled, num_keys, from_disk=True)
 
     def _store(self, exe: _Executable) -> None:
         path = self._path()
-        if path is None:
+        if path is None or not exe.serializable:
             return
         from jax.experimental import serialize_executable
 
@@ -274,6 +297,26 @@ class GraphProgram:
                                                   self._sharding, self._device, keep), keep)
         return self._const_arrays[0]
 
+    def _run(self, arrays: list, key_data=None) -> list:
+        import jax
+
+        key_data = self._key_data() if key_data is None else key_data
+        try:
+            outs = self._exe.compiled(key_data, self._consts(), *arrays)
+            jax.block_until_ready(outs)  # inputs (and temporaries in keep) are read by now
+            return outs
+        except jax.errors.JaxRuntimeError as e:
+            if not self._exe.from_disk:
+                raise
+            # A cached executable that does not run (written by an older tpudist): drop it, compile.
+            log.warning("tpudist.compile: cached program %s failed (%s); compiling it again", self._path(), e)
+            self._path().unlink(missing_ok=True)
+            self._exe = self._compile()
+            with _lock:
+                _cache[self.key] = self._exe
+            self._store(self._exe)
+            return self._run(arrays, key_data)
+
     def __call__(self, args: list) -> list:
         import jax
 
@@ -287,8 +330,7 @@ class GraphProgram:
                 outs = self._collectives.run(self, tensors, keep)  # this rank's blocks: (1, *shape)
             else:
                 arrays = boundary.to_jax(tensors, self._avals, self._sharding, self._device, keep)
-                outs = self._exe.compiled(self._key_data(), self._consts(), *arrays)
-                jax.block_until_ready(outs)  # inputs (and temporaries in keep) are read by now
+                outs = self._run(arrays)
         del keep, tensors
         results = []
         for o in self._outputs:
