@@ -562,3 +562,31 @@ def test_fsdp2_frees_and_reallocates_tpu_storages(dev):
         assert abs(g - r) <= 1e-5 * abs(r), (g, r)
     assert diff <= 1e-6
     assert "tpu" in freed  # FSDP2 freed unsharded tpu parameters through the wrapped free_storage
+
+
+_COMPILE_CODE = """
+import json, torch, torch.nn.functional as F, tpudist.device
+from tpudist.training.model import ModelArgs, Transformer
+torch.manual_seed(0)
+model = Transformer(ModelArgs(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8)).to("tpu")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+torch.tpu.set_eager_mode("fused")
+for _ in range(2):
+    x = torch.randint(0, 32, (2, 8))
+    F.cross_entropy(model(x.to("tpu")).flatten(0, 1), x.to("tpu").flatten()).backward()
+    opt.step(); opt.zero_grad()
+torch.tpu.synchronize()
+print(json.dumps(torch.tpu.cache_stats()))
+"""
+
+
+def test_second_process_compiles_fused_steps_from_the_persistent_cache(tmp_path):
+    runs = []
+    for _ in range(2):
+        result = _fresh_python(_COMPILE_CODE, {"TPUDIST_CACHE_DIR": str(tmp_path)})
+        assert result.returncode == 0, result.stderr
+        runs.append(__import__("json").loads(result.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["programs"] == warm["programs"] == 2
+    assert warm.get("programs_from_disk") == 2 and "programs_from_disk" not in cold
+    assert cold["compile_s"] >= 10 * warm["compile_s"], (cold["compile_s"], warm["compile_s"])

@@ -363,7 +363,8 @@ def _build(op, key, leaves):
     specs = list(sig)
     kernel = Kernel(op, functional, form, treedef, specs, [(n, d) for n, d, _ in slots], targets,
                     n_scalars, random, fresh, returns)
-    kernel.stable_id = hashlib.sha256(repr((str(op), key[1:])).encode()).hexdigest()[:24]
+    kernel.stable_id = hashlib.sha256(repr((str(op), key[1:], _code_of(tops.lowering_for(functional))))
+                                      .encode()).hexdigest()[:24]
     # trace once now: a missing lowering or a lowering error is raised here, at the op
     sc = jax.ShapeDtypeStruct((n_scalars + 2 * random,), _F64)
     arrays = [None if uninit else jax.ShapeDtypeStruct((n,), tops.to_jax_dtype(d)) for n, d, uninit in slots]
@@ -386,6 +387,21 @@ _NO_SCALARS = np.zeros((0,), _F64)
 
 class _DataDependent(Exception):
     """The op's result is not a tensor of known shape (item, equal, nonzero ...): run it concretely."""
+
+
+def _code_of(fn) -> str:
+    """What a lowering computes, for on-disk program keys: a changed lowering must not hit old programs."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return repr(fn) if " at 0x" not in repr(fn) else type(fn).__qualname__
+    return _hash_code(code)
+
+
+def _hash_code(code) -> str:
+    digest = hashlib.sha256(code.co_code + repr(code.co_names).encode())
+    for const in code.co_consts:  # nested functions: their code, not their repr (it holds an address)
+        digest.update((_hash_code(const) if hasattr(const, "co_code") else repr(const)).encode())
+    return digest.hexdigest()
 
 
 def kernel_for(op, args, kwargs):

@@ -11,6 +11,7 @@ counters are one float64 input vector, so a steady-state training step compiles 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -114,10 +115,24 @@ def _disk_dir():
     return None if base is None else base / "tpudist_fused"
 
 
+@functools.cache
+def _source_fingerprint() -> str:
+    """A hash of tpudist.ops and tpudist.device sources: editing a lowering invalidates disk programs."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted([*root.joinpath("ops").rglob("*.py"), *root.joinpath("device").rglob("*.py")]):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def _disk_key(g: Graph, live) -> str:
     import jaxlib
+    import torch
 
-    parts = (jax.__version__, jaxlib.__version__, str(rt.device().platform), rt.device().device_kind,
+    parts = (jax.__version__, jaxlib.__version__, torch.__version__, _source_fingerprint(), str(rt.device().platform), rt.device().device_kind,
              os.environ.get("XLA_FLAGS", ""), tuple(k.stable_id for k, _, _ in g.nodes),
              tuple(refs for _, refs, _ in g.nodes), tuple(live),
              tuple((tuple(a.shape), str(a.dtype)) for a in g.inputs), len(g.scalars))
