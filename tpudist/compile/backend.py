@@ -14,7 +14,6 @@ import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx

@@ -35,7 +35,6 @@ import hashlib
 import os
 from datetime import timedelta
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch

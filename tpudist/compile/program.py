@@ -15,6 +15,7 @@ under ``<cache dir>/compile``, so a second process skips tracing as well as XLA.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import operator
@@ -23,7 +24,8 @@ import pickle
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,8 +35,6 @@ from tpudist.compile import boundary
 from tpudist.compile.errors import UnsupportedGraph, missing_op_error, user_line
 
 log = logging.getLogger(__name__)
-
-_RNG_NAMESPACE = ("aten", "prims")
 
 
 @dataclass(slots=True)
@@ -178,6 +178,8 @@ class GraphProgram:
 
         h.update(repr((jax.__version__, torch.__version__, os.environ.get("XLA_FLAGS", ""),
                        self._device.platform)).encode())
+        h.update(_table_digest().encode())
+        h.update(_lowerings_digest(self._gm).encode())
         return h.hexdigest()[:32]
 
     def _executable(self) -> _Executable:
@@ -396,6 +398,37 @@ def _call(node, args, kwargs, collectives, ops):
         return ops.call(target, *args, **kwargs)
     raise UnsupportedGraph(f"node {node.name} calls {target!r} at {user_line(node)}: not an ATen op overload; "
                            "the tpu backend lowers ATen graphs (run it through aot_autograd first)")
+
+
+@functools.cache
+def _table_digest() -> str:
+    """The lowering table's and this backend's source: a program cached on disk by an older tpudist
+    (a lowering fixed since) must not be reused."""
+    import tpudist.compile
+    import tpudist.ops
+
+    h = hashlib.sha256()
+    for package in (tpudist.ops, tpudist.compile):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _lowerings_digest(gm: torch.fx.GraphModule) -> str:
+    """The code of lowerings registered from outside tpudist.ops (custom kernels) the graph uses."""
+    from tpudist.ops import lowering_for
+
+    h = hashlib.sha256()
+    for node in gm.graph.nodes:
+        fn = lowering_for(node.target) if isinstance(node.target, torch._ops.OpOverload) else None  # noqa: SLF001
+        code = getattr(fn, "__code__", None)
+        if code is not None and not getattr(fn, "__module__", "").startswith("tpudist.ops"):
+            h.update(str(node.target).encode())
+            h.update(code.co_code)
+            h.update(repr(code.co_consts).encode())
+    return h.hexdigest()
 
 
 def _fetch_attr(gm, target: str):
