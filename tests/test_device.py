@@ -408,6 +408,17 @@ def run_fsdp2_one_rank(steps):
     return losses[0::2], losses[1::2], diff, freed
 
 
+def run_in_tpu_world():
+    import torch.distributed as dist
+
+    import tpudist.device  # noqa: F401
+    from tpudist.device import _runtime
+    from tpudist.process_group import runtime
+
+    x = torch.arange(4.0, device="tpu") * (dist.get_rank() + 1)
+    return str(_runtime.device()), str(runtime.current().local_device), x.cpu().tolist()
+
+
 def run_import_state():
     """In a fresh process: importing the device renames PrivateUse1 but starts no JAX backend."""
     import tpudist.device  # noqa: F401
@@ -446,6 +457,14 @@ def test_touching_device_before_process_group_is_a_clear_error():
     assert result.returncode != 0
     assert "before torch.distributed.init_process_group(\"tpu\")" in result.stderr
     assert "WORLD_SIZE=2" in result.stderr
+
+
+def test_each_rank_of_a_tpu_world_uses_its_own_chip():
+    with RankPool(2, backend="tpu", timeout=120) as pool:
+        results = pool.run(run_in_tpu_world)
+    devices = [d for d, _, _ in results]
+    assert [d for _, d, _ in results] == devices and len(set(devices)) == 2
+    assert [v for _, _, v in results] == [[0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]]
 
 
 @pytest.mark.parametrize("mode", MODES)
