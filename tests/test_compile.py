@@ -84,6 +84,24 @@ def test_entry_point_names_the_backend():
     assert lookup_backend("tpudist") is lookup_backend("tpu")
 
 
+def test_tpu_name_left_to_another_package(monkeypatch):
+    """Another package registering Dynamo backend "tpu" keeps it (with a warning); ours stays "tpudist"."""
+    import importlib.metadata
+
+    from torch._dynamo.backends.debugging import eager
+
+    from tpudist.compile import entry
+
+    theirs = importlib.metadata.EntryPoint("tpu", "torch._dynamo.backends.debugging:eager", entry._GROUP)
+    real = importlib.metadata.entry_points
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group=None: [*real(group=group), theirs] if group == entry._GROUP else real(group=group))
+    with pytest.warns(UserWarning, match='backend="tpudist"'):
+        assert entry._choose_tpu() is eager
+    monkeypatch.setattr(importlib.metadata, "entry_points", real)
+    assert entry._choose_tpu() is entry.tpudist
+
+
 def test_boundary_inputs():
     """int64 beyond 32 bits, non-contiguous, unaligned (storage offset), 0-d, empty, requires-grad."""
 
