@@ -253,3 +253,22 @@ def test_two_mesh_axes_in_one_program(pool4):
     for same, programs in pool4.run(two_axis_graph, timeout=180):
         assert same == [True, True], same
         assert len(programs) == 1 and {"all-reduce", "all-gather", "reduce-scatter"} <= set(programs[0][1]), programs
+
+
+def recipe_losses(compile_blocks: bool):
+    from tpudist.training import TrainConfig, Trainer
+
+    trainer = Trainer(TrainConfig(steps=3, log_every=10 ** 6, compile=compile_blocks))
+    try:
+        return [m.loss for m in trainer.train()]
+    finally:
+        trainer.close()
+
+
+def test_recipe_compile_flag(pool2):
+    """The recipe's --compile (FSDP2, each block's forward compiled) trains like the eager recipe."""
+    import torch
+
+    eager = pool2.run(recipe_losses, False, timeout=300)[0]
+    compiled = pool2.run(recipe_losses, True, timeout=300)[0]
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=1e-5)
