@@ -9,6 +9,8 @@ installing it renames PrivateUse1 process-wide).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import torch
 import torch.nn.functional as F
@@ -19,23 +21,28 @@ from tpudist.kernels import current_mesh, custom_jax_kernel
 TOL = 1e-5
 
 
-@custom_jax_kernel("kernels_test::col_softmax")
-def col_softmax(x):
-    """Softmax over dim 0: needs the whole column, so it runs as one program over the mesh."""
-    return jax.nn.softmax(x, axis=0)
+@functools.cache
+def _mesh_kernels():
+    """Kernels without shard_dims, defined in the rank processes only (see test_kernels.py on the table)."""
 
+    @custom_jax_kernel("kernels_test::col_softmax")
+    def col_softmax(x):
+        """Softmax over dim 0: needs the whole column, so it runs as one program over the mesh."""
+        return jax.nn.softmax(x, axis=0)
 
-@custom_jax_kernel("kernels_test::tp_rms_norm")
-def tp_rms_norm(x, w, *, eps: float = 1e-6):
-    """RMSNorm whose hidden dim is sharded over mesh axis "tp": a shard_map with a psum over "tp"."""
-    mesh = current_mesh()
-    dim = x.shape[-1]
+    @custom_jax_kernel("kernels_test::tp_rms_norm")
+    def tp_rms_norm(x, w, *, eps: float = 1e-6):
+        """RMSNorm whose hidden dim is sharded over mesh axis "tp": a shard_map with a psum over "tp"."""
+        mesh = current_mesh()
+        dim = x.shape[-1]
 
-    def local(xb, wb):
-        ss = jax.lax.psum((xb * xb).sum(-1, keepdims=True), "tp")
-        return xb * jax.lax.rsqrt(ss / dim + eps) * wb
+        def local(xb, wb):
+            ss = jax.lax.psum((xb * xb).sum(-1, keepdims=True), "tp")
+            return xb * jax.lax.rsqrt(ss / dim + eps) * wb
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(None, "tp"), P("tp")), out_specs=P(None, "tp"))(x, w)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(None, "tp"), P("tp")), out_specs=P(None, "tp"))(x, w)
+
+    return col_softmax, tp_rms_norm
 
 
 def _torch_rms_norm(x, w, eps):
@@ -74,6 +81,7 @@ def check_kernels(mesh_shape, names, sub_axis):
     from tpudist.kernels import KernelShardingError
     from tpudist.kernels.library import attention, rms_norm
 
+    col_softmax, tp_rms_norm = _mesh_kernels()
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     mesh = mesh[sub_axis] if sub_axis else mesh

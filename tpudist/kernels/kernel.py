@@ -113,10 +113,8 @@ class JaxKernel:
         self.backward_op = getattr(getattr(torch.ops, namespace), f"{opname}_backward").default
 
         from tpudist.kernels import dtensor
-        from tpudist.ops import lowers
 
-        lowers(self.op)(self.lowering)
-        lowers(self.backward_op)(self.backward_lowering)
+        self.register_lowerings()
         dtensor.register(self, forward_def, backward_def)
         self.__doc__ = fn.__doc__
         self.__name__ = getattr(fn, "__name__", opname)
@@ -343,6 +341,13 @@ class JaxKernel:
                      for x, g, needs in zip(inputs, result, ctx.needs_input_grad))[:ctx.num_given]
 
     # -- the lowering table ------------------------------------------------------------------------
+    def register_lowerings(self) -> None:
+        """Registers ``lowering`` and ``backward_lowering`` in ``tpudist.ops`` (done at definition)."""
+        from tpudist.ops import lowers
+
+        lowers(self.op)(self.lowering)
+        lowers(self.backward_op)(self.backward_lowering)
+
     def lowering(self, *arrays, **kwargs):
         """The JAX lowering of ``op`` (registered in ``tpudist.ops``)."""
         return self.traced(self.statics(kwargs))(*self.pad(arrays))
