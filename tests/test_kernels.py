@@ -12,6 +12,8 @@ import re
 import subprocess
 import sys
 
+_LIBRARY_PRELOADED = "tpudist.kernels.library" in sys.modules  # another module relies on its lowerings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,6 +86,7 @@ def add_big(x, *, big: int = 2**40):
 
 
 TEST_KERNELS = (*KERNELS, pallas_square, pallas_square_no_grad, moments, add_big)
+_OWN_KERNELS = TEST_KERNELS[len(KERNELS):] if _LIBRARY_PRELOADED else TEST_KERNELS
 
 
 def _unregister_lowerings():
@@ -92,10 +95,11 @@ def _unregister_lowerings():
     tests/test_ops_opinfo.py::test_every_lowering_is_exercised fails on any registered lowering its
     OpInfo samples do not reach, and pytest imports every test module before running any test: the
     table holds these kernels only while this module's tests run (until that test counts aten ops only).
+    The library's stay if a module imported it before this one.
     """
     from tpudist.ops import registry
 
-    for kernel in TEST_KERNELS:
+    for kernel in _OWN_KERNELS:
         for op in (kernel.op, kernel.backward_op):
             registry._TABLE.pop(op, None)  # noqa: SLF001
 
