@@ -321,6 +321,17 @@ def run_module_api():
         out["pending"] = torch.tpu.cache_stats()["pending_ops"]
         out["print"] = repr(y[:2])
     out["modes"] = (previous, inside, torch.tpu.get_eager_mode())
+    os.environ["TPUDIST_FUSED_MAX_OPS"] = "3"
+    try:
+        with torch.tpu.eager_mode("fused"):
+            syncs = torch.tpu.cache_stats()["syncs"]
+            z = x
+            for _ in range(7):
+                z = z + 1
+            out["cap_syncs"] = torch.tpu.cache_stats()["syncs"] - syncs
+            out["cap_value"] = z[0].item()
+    finally:
+        del os.environ["TPUDIST_FUSED_MAX_OPS"]
     try:
         torch.tpu.set_eager_mode("lazy")
     except ValueError as err:
@@ -563,6 +574,7 @@ def test_torch_tpu_module(dev):
     assert out["pending"] >= 1
     assert "device='tpu:0'" in out["print"]
     assert out["modes"] == ("strict", "fused", "strict")
+    assert out["cap_syncs"] == 2 and out["cap_value"] == 8.0  # the graph-size cap is a sync point
     assert "debug, strict, fused" in out["bad_mode"]
 
 

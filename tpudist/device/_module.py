@@ -109,7 +109,7 @@ def memory_allocated(device=None) -> int:
 
     dev = rt.device()
     total = sum(a.nbytes for a in jax.live_arrays() if dev in a.devices())
-    rt.peak_bytes = max(getattr(rt, "peak_bytes", 0), total)
+    rt.peak_bytes = max(rt.peak_bytes, total)
     return total
 
 

@@ -22,6 +22,7 @@ _mode: str | None = None
 _nan_check = os.environ.get("TPUDIST_DEBUG_NANS", "") == "1"
 _cpu_fallback = os.environ.get("TPUDIST_CPU_FALLBACK", "") == "1"
 seed = 0
+peak_bytes = 0  # the highest memory_allocated() seen (torch.tpu.max_memory_allocated)
 counter = 0  # random ops drawn since the last seed: each op's key is fold_in(key(seed), counter)
 stats = Counter()
 fallback_ops = Counter()
