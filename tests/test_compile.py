@@ -198,6 +198,50 @@ def test_dropout_seeded_masks_and_keep_rate():
     assert torch.equal(x.grad, a.detach())  # the backward reuses the forward's mask
 
 
+_DEVICE_CHILD = textwrap.dedent("""
+    import copy, json, torch, torch.nn.functional as F
+    import tpudist.device  # renames PrivateUse1 for the whole process: hence a process of its own
+    from tpudist.compile.program import STATS
+    from tpudist.training.model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    eager = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16))
+    model = copy.deepcopy(eager).to("tpu")
+
+    def loss_fn(m, tokens, targets):
+        return F.cross_entropy(m(tokens).flatten(0, 1), targets.flatten())
+
+    step = torch.compile(loss_fn, backend="tpu", fullgraph=True, dynamic=False)
+    gen = torch.Generator().manual_seed(1)
+    losses, devices, grad_err = [], set(), 0.0
+    for _ in range(2):  # forward and backward only: the eager device optimizer compiles per op (slow)
+        tokens, targets = torch.randint(0, 64, (2, 16), generator=gen), torch.randint(0, 64, (2, 16), generator=gen)
+        loss_c = step(model, tokens.to("tpu"), targets.to("tpu"))
+        devices.add(loss_c.device.type)
+        loss_c.backward()
+        devices.update(p.grad.device.type for p in model.parameters())
+        loss_e = loss_fn(eager, tokens, targets)
+        loss_e.backward()
+        grad_err = max([grad_err] + [(a.grad.cpu() - b.grad).abs().max().item()
+                                     for a, b in zip(model.parameters(), eager.parameters())])
+        losses.append((loss_c.item(), loss_e.item()))
+    print(json.dumps({"losses": losses, "grad_err": grad_err, "devices": sorted(devices),
+                      "graphs": STATS.graphs}))
+""")
+
+
+def test_tpu_device_tensors():
+    """Model and batch on the "tpu" device: the programs take the storages' arrays, results stay on it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _DEVICE_CHILD], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["devices"] == ["tpu"] and out["graphs"] == 2, out
+    for compiled, eager in out["losses"]:
+        assert abs(compiled - eager) <= 1e-5, out
+    assert out["grad_err"] <= 1e-5, out
+
+
 _CACHE_CHILD = textwrap.dedent("""
     import json, torch, torch.nn.functional as F
     from tpudist.compile.program import STATS

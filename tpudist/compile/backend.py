@@ -66,12 +66,10 @@ def check_static(gm: torch.fx.GraphModule, example_inputs: list) -> None:
                 "it dynamic after seeing a second size. Pass dynamic=False to torch.compile (one program per "
                 "size), or pad that dim to a few fixed lengths (buckets: tpudist.device.buckets, or padding "
                 "with targets=-100)")
-        if isinstance(x, torch.Tensor) and x.device.type != "cpu":
+        if isinstance(x, torch.Tensor) and x.device.type not in ("cpu", "tpu"):
             raise UnsupportedGraph(
-                f"torch.compile(backend='tpu') takes CPU tensors in this version: input {source} is on "
-                f"device={x.device}. 'tpu' device tensors are not supported yet (torch 2.13's autograd engine "
-                "aborts the process while AOTAutograd traces their backward); keep the model on the CPU for "
-                "torch.compile, or use the device's fused eager mode (torch.tpu.set_eager_mode('fused'))")
+                f"torch.compile(backend='tpu') takes CPU or 'tpu' device tensors: input {source} is on "
+                f"device={x.device}; move it with .cpu() or .to('tpu')")
         if isinstance(x, torch.Tensor):
             for dim, size in enumerate(x.shape):
                 if isinstance(size, torch.SymInt) and not _is_concrete(size):

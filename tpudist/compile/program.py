@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import operator
 import os
 import pickle
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 import torch.fx
 
-from tpudist.compile import boundary
+from tpudist.compile import boundary, device_io
 from tpudist.compile.errors import UnsupportedGraph, missing_op_error, user_line
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,18 @@ class GraphProgram:
                        for i in self._tensor_at]
         self._constants = [(n.target, _fetch_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"]
         self._outputs, self._output_nodes = self._plan_outputs(gm, placeholders)
-        if collectives is not None:
+        on_device = {device_io.is_device_tensor(example_inputs[i]) for i in self._tensor_at}
+        if len(on_device) > 1:
+            raise UnsupportedGraph(f"{name} graph: inputs mix CPU and 'tpu' device tensors; move them to one "
+                                   "device (model and batch both .to('tpu'), or both on the CPU)")
+        self._on_device = on_device == {True}
+        if self._on_device and collectives is not None:
+            raise UnsupportedGraph(f"{name} graph: collectives on 'tpu' device tensors inside compiled graphs "
+                                   "are not supported yet; compile with CPU tensors")
+        if self._on_device:
+            self._device = device_io.jax_device()
+            self._sharding = jax.sharding.SingleDeviceSharding(self._device)
+        elif collectives is not None:
             self._device, self._sharding = collectives.device, collectives.input_sharding
         else:
             self._device = jax.local_devices()[0]
@@ -168,6 +180,7 @@ class GraphProgram:
         code = self._gm.code
         h.update((code if self._collectives is None else self._collectives.canonical(code)).encode())
         h.update(repr([(a.shape, str(a.dtype)) for a in self._avals]).encode())
+        h.update(b"device" if self._on_device else b"cpu")
         for name, value in self._constants:
             h.update(name.encode())
             h.update(repr((tuple(value.shape), str(value.dtype))).encode())
@@ -189,13 +202,13 @@ class GraphProgram:
             STATS.memory_hits += 1
             return exe
         start = time.perf_counter()
-        exe = self._load() if self._collectives is None else None
+        exe = self._load() if self._collectives is None and not self._on_device else None
         if exe is not None:
             STATS.disk_hits += 1
         else:
             exe = self._compile()
             STATS.programs_compiled += 1
-            if self._collectives is None:
+            if self._collectives is None and not self._on_device:
                 self._store(exe)
         STATS.compile_seconds += time.perf_counter() - start
         with _lock:
@@ -220,6 +233,14 @@ class GraphProgram:
         const_avals = [jax.ShapeDtypeStruct(tuple(v.shape), _jax_dtype(v.dtype)) for _, v in self._constants]
         avals = list(self._avals)
         fn = program
+        if self._on_device:  # flat in, flat out: a storage's array enters and leaves as it is
+            shapes = [a.shape for a in avals]
+
+            def fn(key_data, consts, *flat):  # noqa: F811
+                outs = program(key_data, consts, *[f.reshape(s) for f, s in zip(flat, shapes)])
+                return [o.reshape(-1) for o in outs]
+
+            avals = [jax.ShapeDtypeStruct((math.prod(a.shape),), a.dtype) for a in avals]
         if self._collectives is not None:
             fn = self._collectives.wrap(program, len(avals))
             key_aval, const_avals, avals = (self._collectives.global_aval(key_aval),
@@ -291,6 +312,11 @@ class GraphProgram:
         seed = torch.randint(0, 2 ** 31 - 1, (2,), dtype=torch.int64)
         return seed.numpy().astype(np.uint32)
 
+    def _device_key(self):
+        import jax
+
+        return jax.device_put(self._key_data(), self._device)
+
     def _consts(self) -> list:
         if self._const_arrays is None:
             keep: list = []
@@ -330,13 +356,19 @@ class GraphProgram:
         with jax.enable_x64(True):
             if self._collectives is not None:
                 outs = self._collectives.run(self, tensors, keep)  # this rank's blocks: (1, *shape)
+            elif self._on_device:
+                outs = self._exe.compiled(self._device_key(), self._consts(),
+                                          *[device_io.flat_value(t) for t in tensors])
             else:
                 arrays = boundary.to_jax(tensors, self._avals, self._sharding, self._device, keep)
                 outs = self._run(arrays)
         del keep, tensors
         results = []
         for o in self._outputs:
-            if o.kind == "array":
+            if o.kind == "array" and self._on_device:
+                results.append(device_io.new_tensor(outs[o.index], self._output_nodes[o.index].meta["val"].shape,
+                                                    o.dtype))
+            elif o.kind == "array":
                 out = boundary.to_torch(outs[o.index], o.dtype)
                 results.append(out if self._collectives is None else
                                boundary.drop_leading(out, self._collectives.num_block_dims))
