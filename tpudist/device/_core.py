@@ -1,9 +1,7 @@
 """The tpu kernels: every aten op on "tpu" tensors becomes one cached JAX program (or a fused part of one).
 
-A tpu tensor is a real PrivateUse1 TensorImpl (sizes, strides, storage offset) over an empty storage
-whose Python object holds a ``Buffer``: the flat ``jax.Array`` of the storage (or a pending value of
-the fused graph, or None before anything was written). Every alias (views, ``detach``, ``.data``,
-Parameters) shares the storage and so the buffer.
+A tpu tensor is a real PrivateUse1 TensorImpl (sizes, strides, storage offset) over a storage that
+holds a ``Buffer`` (``_storage``): every alias (views, ``detach``, ``.data``, Parameters) shares it.
 
 One kernel serves every op (registered per op and as the PrivateUse1 fallback):
 - view ops run torch's Meta kernel on the tpu tensor itself (real strides over the shared storage);
@@ -18,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -30,94 +27,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 import tpudist.ops as tops
 from tpudist.device import _runtime as rt
 from tpudist.device import views
+from tpudist.device._debug import check_indices, check_nans
+from tpudist.device._storage import (  # noqa: F401  (re-exported: the kernels module uses them from here)
+    _ATTR, Buffer, Lazy, _retype, buffer_of, flush, from_cpu, is_tpu, new_tensor, to_cpu, to_jax, to_torch,
+    value_of,
+)
 
 aten = torch.ops.aten
 META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)  # noqa: SLF001
-_ATTR = "_tpudist_buffer"
 _F64 = np.dtype("float64")
-
-
-class Buffer:
-    """What a tpu storage holds: ``value`` is a flat jax.Array, a fused ``Lazy`` or None (unwritten)."""
-
-    __slots__ = ("value", "numel", "dtype", "__weakref__")
-
-    def __init__(self, numel: int, dtype: torch.dtype, value=None):
-        self.value, self.numel, self.dtype = value, int(numel), dtype
-
-
-def buffer_of(t: torch.Tensor) -> Buffer:
-    buf = getattr(t.untyped_storage(), _ATTR, None)
-    if buf is None:
-        raise RuntimeError("this tpu tensor has no device buffer (it was not made by tpudist.device)")
-    return buf
-
-
-def is_tpu(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.device.type == "tpu"
-
-
-def new_tensor(shape, dtype: torch.dtype, value=None, numel: int | None = None) -> torch.Tensor:
-    t = torch._C._acc.create_empty_tensor(tuple(int(s) for s in shape), dtype)  # noqa: SLF001
-    setattr(t.untyped_storage(), _ATTR, Buffer(math.prod(shape) if numel is None else numel, dtype, value))
-    return t
-
-
-# -- host <-> device ---------------------------------------------------------------------------------
-
-
-def to_jax(t: torch.Tensor):
-    """A CPU tensor's values as a flat jax.Array on the device (a copy: torch keeps its memory)."""
-    t = t.detach()
-    t = t.clone() if t.is_contiguous() else t.contiguous()
-    if t.dtype == torch.bfloat16:
-        host = t.view(torch.int16).numpy().view(jnp.bfloat16)
-    else:
-        host = t.numpy()
-    dev = rt.device()
-    with jax.enable_x64(True):  # else int64/float64 are silently truncated to 32 bits
-        return jax.device_put(host.reshape(-1), dev)
-
-
-def to_torch(array) -> torch.Tensor:
-    host = np.asarray(array)
-    if host.dtype == jnp.bfloat16:
-        return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(host.copy()) if not host.flags.writeable else torch.from_numpy(host)
-
-
-_READERS: dict = {}
-
-
-def value_of(t: torch.Tensor):
-    """The concrete jax.Array value of a tpu tensor (flushes a pending fused graph first)."""
-    buf = buffer_of(t)
-    if isinstance(buf.value, Lazy):
-        flush()
-    flat = buf.value
-    sizes, strides, offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
-    if flat is None:
-        return jnp.zeros(sizes, tops.to_jax_dtype(t.dtype))
-    key = (sizes, strides, offset, flat.shape, flat.dtype, t.dtype)
-    reader = _READERS.get(key)
-    if reader is None:
-        want = tops.to_jax_dtype(t.dtype)
-
-        def read(f):
-            return _retype(views.read(f, sizes, strides, offset), want)
-
-        reader = _READERS[key] = jax.jit(read)
-    with jax.enable_x64(True):
-        return reader(flat)
-
-
-def _retype(value, want):
-    if value.dtype == want:
-        return value
-    if np.dtype(value.dtype).itemsize == np.dtype(want).itemsize:
-        return jax.lax.bitcast_convert_type(value, want)
-    raise NotImplementedError(f"a view of dtype {want} over a storage of dtype {value.dtype} (different "
-                              "item sizes) is not supported on the tpu device; use .to(dtype) instead")
 
 
 # -- signatures and kernels --------------------------------------------------------------------------
@@ -480,49 +398,6 @@ def execute(op, args, kwargs):
     return result_of(kernel, leaves, fresh)
 
 
-def check_nans(op, outs):
-    for o in outs:
-        if jnp.issubdtype(o.dtype, jnp.inexact) and bool(jnp.isnan(o).any()):
-            raise FloatingPointError(f"{op} produced NaN on the tpu device (debug mode NaN check; turn it "
-                                     "off with torch.tpu.set_nan_check(False))")
-
-
-def _index_checks(op, args, kwargs):
-    """(index tensor, size it indexes, dim, negatives allowed) for ops whose indices XLA would clamp."""
-    kw = lambda name, pos: kwargs[name] if name in kwargs else (args[pos] if len(args) > pos else None)  # noqa: E731
-    if op is aten.embedding.default:
-        return [(args[1], args[0].shape[0], 0, False)]
-    if op in (aten.index_select.default, aten.gather.default, aten.scatter.src, aten.scatter.value,
-              aten.scatter_add.default, aten.scatter_.src, aten.scatter_.value, aten.scatter_add_.default,
-              aten.index_add.default, aten.index_add_.default, aten.index_copy.default, aten.index_copy_.default,
-              aten.index_fill.int_Scalar, aten.index_fill_.int_Scalar):
-        dim = kw("dim", 1)
-        source = args[0]
-        size = source.shape[dim] if source.dim() else 1
-        return [(kw("index", 2), size, dim, True)]
-    if op in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
-        checks = []
-        for dim, index in enumerate(kw("indices", 1) or ()):
-            if index is not None and not (index.dtype == torch.bool or index.dtype == torch.uint8):
-                checks.append((index, args[0].shape[dim], dim, True))
-        return checks
-    return ()
-
-
-def check_indices(op, args, kwargs):
-    """Debug mode: JAX clamps (or drops) out-of-range indices silently; torch raises. Check on the host."""
-    for index, size, dim, negatives in _index_checks(op, args, kwargs):
-        if not isinstance(index, torch.Tensor) or index.numel() == 0:
-            continue
-        values = np.asarray(value_of(index)) if is_tpu(index) else index.numpy()
-        low = -size if negatives else 0
-        if values.min() < low or values.max() >= size:
-            bad = values.max() if values.max() >= size else values.min()
-            raise IndexError(f"{op}: index {int(bad)} is out of range for dimension {dim} of size {size} "
-                             "(torch: index out of range in self; debug mode checks the indices XLA would "
-                             "clamp silently in strict and fused modes)")
-
-
 def run_concrete(op, args, kwargs):
     """Ops whose results are not tensors of a known shape: run on concrete arrays, no jit."""
     flush()
@@ -553,10 +428,6 @@ def run_concrete(op, args, kwargs):
     return tree_unflatten([wrap(r) for r in out], out_def)
 
 
-def to_cpu(t: torch.Tensor) -> torch.Tensor:
-    return to_torch(value_of(t)).reshape(t.shape)
-
-
 def run_on_cpu(op, args, kwargs):
     """The CPU fallback: copy tpu tensors to the host, run torch's CPU kernel, copy results back."""
     flush()
@@ -575,10 +446,6 @@ def run_on_cpu(op, args, kwargs):
                            for r in out], out_def)
 
 
-def from_cpu(t: torch.Tensor) -> torch.Tensor:
-    return new_tensor(tuple(t.shape), t.dtype, to_jax(t))
-
-
 def copy_from_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst (tpu) <- src (cpu), broadcasting and casting like copy_."""
     src = src.detach().to(dst.dtype).expand(dst.shape)
@@ -591,23 +458,4 @@ def copy_from_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     tmp = from_cpu(src)
     execute(aten.copy_.default, (dst, tmp), {})
-
-
-# -- fused-graph hooks (the fused engine lives in _fused) ------------------------------------------
-
-
-class Lazy:
-    """A storage value that a pending fused graph will compute."""
-
-    __slots__ = ("graph", "index")
-
-    def __init__(self, graph, index):
-        self.graph, self.index = graph, index
-
-
-def flush() -> None:
-    """Run the pending fused graph, if any (a sync point)."""
-    from tpudist.device import _fused
-
-    _fused.flush()
 

@@ -1,0 +1,128 @@
+"""Device storages: a Buffer on each tpu storage, host <-> device copies, values of views.
+
+A "tpu" tensor is a real PrivateUse1 TensorImpl over an empty storage whose Python object holds a
+``Buffer``: the flat ``jax.Array`` of the storage, a ``Lazy`` value a pending fused graph will
+compute, or None before anything was written (reads as zeros). Every alias shares it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import tpudist.ops as tops
+from tpudist.device import _runtime as rt
+from tpudist.device import views
+
+_ATTR = "_tpudist_buffer"
+
+
+class Buffer:
+    """What a tpu storage holds: ``value`` is a flat jax.Array, a fused ``Lazy`` or None (unwritten)."""
+
+    __slots__ = ("value", "numel", "dtype", "__weakref__")
+
+    def __init__(self, numel: int, dtype: torch.dtype, value=None):
+        self.value, self.numel, self.dtype = value, int(numel), dtype
+
+
+def buffer_of(t: torch.Tensor) -> Buffer:
+    buf = getattr(t.untyped_storage(), _ATTR, None)
+    if buf is None:
+        raise RuntimeError("this tpu tensor has no device buffer (it was not made by tpudist.device)")
+    return buf
+
+
+def is_tpu(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "tpu"
+
+
+def new_tensor(shape, dtype: torch.dtype, value=None, numel: int | None = None) -> torch.Tensor:
+    t = torch._C._acc.create_empty_tensor(tuple(int(s) for s in shape), dtype)  # noqa: SLF001
+    setattr(t.untyped_storage(), _ATTR, Buffer(math.prod(shape) if numel is None else numel, dtype, value))
+    return t
+
+
+# -- host <-> device ---------------------------------------------------------------------------------
+
+
+def to_jax(t: torch.Tensor):
+    """A CPU tensor's values as a flat jax.Array on the device (a copy: torch keeps its memory)."""
+    t = t.detach()
+    t = t.clone() if t.is_contiguous() else t.contiguous()
+    if t.dtype == torch.bfloat16:
+        host = t.view(torch.int16).numpy().view(jnp.bfloat16)
+    else:
+        host = t.numpy()
+    dev = rt.device()
+    with jax.enable_x64(True):  # else int64/float64 are silently truncated to 32 bits
+        return jax.device_put(host.reshape(-1), dev)
+
+
+def to_torch(array) -> torch.Tensor:
+    host = np.asarray(array)
+    if host.dtype == jnp.bfloat16:
+        return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(host.copy()) if not host.flags.writeable else torch.from_numpy(host)
+
+
+_READERS: dict = {}
+
+
+def value_of(t: torch.Tensor):
+    """The concrete jax.Array value of a tpu tensor (flushes a pending fused graph first)."""
+    buf = buffer_of(t)
+    if isinstance(buf.value, Lazy):
+        flush()
+    flat = buf.value
+    sizes, strides, offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
+    if flat is None:
+        return jnp.zeros(sizes, tops.to_jax_dtype(t.dtype))
+    key = (sizes, strides, offset, flat.shape, flat.dtype, t.dtype)
+    reader = _READERS.get(key)
+    if reader is None:
+        want = tops.to_jax_dtype(t.dtype)
+
+        def read(f):
+            return _retype(views.read(f, sizes, strides, offset), want)
+
+        reader = _READERS[key] = jax.jit(read)
+    with jax.enable_x64(True):
+        return reader(flat)
+
+
+def _retype(value, want):
+    if value.dtype == want:
+        return value
+    if np.dtype(value.dtype).itemsize == np.dtype(want).itemsize:
+        return jax.lax.bitcast_convert_type(value, want)
+    raise NotImplementedError(f"a view of dtype {want} over a storage of dtype {value.dtype} (different "
+                              "item sizes) is not supported on the tpu device; use .to(dtype) instead")
+
+
+def to_cpu(t: torch.Tensor) -> torch.Tensor:
+    return to_torch(value_of(t)).reshape(t.shape)
+
+
+def from_cpu(t: torch.Tensor) -> torch.Tensor:
+    return new_tensor(tuple(t.shape), t.dtype, to_jax(t))
+
+
+class Lazy:
+    """A storage value that a pending fused graph will compute."""
+
+    __slots__ = ("graph", "index")
+
+    def __init__(self, graph, index):
+        self.graph, self.index = graph, index
+
+
+def flush() -> None:
+    """Run the pending fused graph, if any (a sync point)."""
+    from tpudist.device import _fused
+
+    _fused.flush()
