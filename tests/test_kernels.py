@@ -12,8 +12,6 @@ import re
 import subprocess
 import sys
 
-_LIBRARY_PRELOADED = "tpudist.kernels.library" in sys.modules  # another module relies on its lowerings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,10 +21,12 @@ import torch.nn.functional as F
 from jax.experimental import pallas as pl
 
 import tpudist.ops
-from tpudist.kernels import (KernelGradientError, KernelInputError, custom_jax_kernel)
-from tpudist.kernels.library import (KERNELS, attention, attention_kernel, attention_pallas_kernel, rms_norm,
-                                     rms_norm_kernel)
+from tpudist.kernels import KernelGradientError, KernelInputError, custom_jax_kernel
 from tpudist.training.model import RMSNorm
+
+_LIBRARY_PRELOADED = "tpudist.kernels.library" in sys.modules  # then another module relies on its lowerings
+from tpudist.kernels.library import (KERNELS, attention, attention_kernel, attention_pallas_kernel,  # noqa: E402
+                                     rms_norm, rms_norm_kernel)
 
 TOL = 1e-5
 EPS = 1e-5
