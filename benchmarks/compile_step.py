@@ -35,6 +35,9 @@ def _parse(argv):
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--variants", default="eager,tpu,inductor")
     p.add_argument("--cold", action="store_true", help="start with empty tpudist and inductor caches")
+    p.add_argument("--device", default="cpu", choices=("cpu", "tpu"),
+                   help="where model and batch live; tpu: the tpudist.device (eager = its eager mode, "
+                        "TPUDIST_EAGER_MODE), inductor is skipped")
     p.add_argument("--ranks", type=int, default=0, help="run the recipe's Trainer on this many ranks instead")
     p.add_argument("--mesh", default="", help="with --ranks: dp_replicate,dp_shard,tp (empty: FSDP over all)")
     return p.parse_args(argv)
@@ -109,6 +112,11 @@ def main(argv=None) -> None:
 
     from tpudist.training.model import ModelArgs, Transformer
 
+    if args.device == "tpu":
+        import tpudist.device  # noqa: F401  (installs the "tpu" device)
+
+        args.variants = ",".join(v for v in args.variants.split(",") if v != "inductor")
+
     model_args = ModelArgs(vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
                            n_kv_heads=args.n_kv_heads, max_seq_len=args.seq_len)
     print(f"model {model_args}, batch {args.batch}, torch threads {torch.get_num_threads()}, "
@@ -118,15 +126,15 @@ def main(argv=None) -> None:
         return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
 
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab_size, (args.batch, args.seq_len), generator=gen)
-    targets = torch.randint(0, args.vocab_size, (args.batch, args.seq_len), generator=gen)
+    tokens = torch.randint(0, args.vocab_size, (args.batch, args.seq_len), generator=gen).to(args.device)
+    targets = torch.randint(0, args.vocab_size, (args.batch, args.seq_len), generator=gen).to(args.device)
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         torch._dynamo.reset()  # noqa: SLF001
         variants = {}
         for name in args.variants.split(","):
             torch.manual_seed(0)
-            model = Transformer(model_args).to(dtype)
+            model = Transformer(model_args).to(dtype).to(args.device)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             fn = loss_fn if name == "eager" else torch.compile(loss_fn, backend=name, fullgraph=True, dynamic=False)
             variants[name] = (model, opt, fn)
@@ -150,7 +158,7 @@ def main(argv=None) -> None:
             for name in variants:
                 elapsed, losses[name] = step(name)
                 times[name].append(elapsed)
-        _report(dtype_name, list(variants), first, times, losses)
+        _report(f"{dtype_name} on {args.device}", list(variants), first, times, losses)
 
 
 if __name__ == "__main__":

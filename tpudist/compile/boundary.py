@@ -44,7 +44,7 @@ def numpy_view(t: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     """
     if t.device.type != "cpu":
         raise TypeError(f"tensor on device={t.device} cannot enter a CPU program; the compile backend "
-                        "takes CPU tensors (and 'tpu' device tensors once tpudist.device is installed)")
+                        "takes CPU tensors here ('tpu' device tensors go through device_io)")
     try:
         raw_dtype, xla_dtype = _NUMPY[t.dtype]
     except KeyError:
