@@ -258,8 +258,21 @@ def run_serialization():
     cpu_buf.seek(0)
     fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).to("tpu")
     fresh.load_state_dict(torch.load(cpu_buf))
+    import tempfile
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": model.state_dict()}, checkpoint_id=folder)
+        restored = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).to("tpu")
+        target = {"model": restored.state_dict()}
+        dcp.load(target, checkpoint_id=folder)
+        restored.load_state_dict(target["model"])
     x = torch.randn(2, 4)
     return {
+        "dcp_out": restored(x.to("tpu")).cpu(), "dcp_device": str(next(restored.parameters()).device),
         "devices": sorted({str(v.device) for v in loaded.values()}),
         "map_location_cpu": sorted({str(v.device) for v in to_cpu.values()}),
         "orig": {k: v.cpu() for k, v in sd.items()},
@@ -555,6 +568,7 @@ def test_serialization_and_deepcopy(dev):
     assert out["deepcopy_device"] == "tpu:0"
     assert torch.equal(out["deepcopy_out"], out["out"])
     assert torch.equal(out["from_cpu_out"], out["out"])
+    assert out["dcp_device"] == "tpu:0" and torch.equal(out["dcp_out"], out["out"])  # DCP save/load
 
 
 def test_autocast_bf16_matmul(dev):
