@@ -42,7 +42,16 @@ class Options:
 
 def backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
             mode: str | None = None):
-    """The ``torch.compile`` backend: a callable running ``gm`` as XLA programs (forward, backward)."""
+    """The ``torch.compile`` backend: a callable running ``gm`` as XLA programs (forward, backward).
+
+    Example:
+        >>> step = torch.compile(loss_fn, backend="tpu", fullgraph=True, dynamic=False)  # doctest: +SKIP
+        >>> torch.compile(fn, backend="tpu", options={"on_missing_op": "graph_break"})    # doctest: +SKIP
+
+    Raises:
+        MissingOpError: an op of the graph has no lowering (names the op and the model line).
+        UnsupportedGraph: dynamic shapes (names the input dim), inputs on another device, ...
+    """
     opts = Options.from_dict(options)
     if mode not in (None, "default"):
         warnings.warn(f"torch.compile(backend='tpu') ignores mode={mode!r}", stacklevel=2)
