@@ -28,15 +28,15 @@ from tpudist.ops.rng import KeySource, keys
 def to_jax(t: torch.Tensor):
     """A CPU tensor as a jax.Array (copy); bf16 goes through its bits, which numpy cannot hold."""
     t = t.detach().resolve_conj().resolve_neg().cpu()
-    if t.dtype == torch.bfloat16:
-        return jax.lax.bitcast_convert_type(jnp.asarray(t.view(torch.int16).numpy()), jnp.bfloat16)
+    if t.dtype == torch.bfloat16:  # a numpy view through ml_dtypes' bfloat16: no JAX program
+        return jnp.asarray(t.contiguous().view(torch.int16).numpy().view(jnp.bfloat16))
     return jnp.asarray(t.numpy())
 
 
 def to_torch(a) -> torch.Tensor:
     """A jax.Array as a CPU tensor (copy)."""
     if a.dtype == jnp.bfloat16:
-        return torch.from_numpy(np.asarray(jax.lax.bitcast_convert_type(a, jnp.int16)).copy()).view(torch.bfloat16)
+        return torch.from_numpy(np.asarray(a).view(np.int16).copy()).view(torch.bfloat16)
     return torch.from_numpy(np.array(a))
 
 

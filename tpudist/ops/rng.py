@@ -1,9 +1,25 @@
 """Where random lowerings get their keys: a key source the caller (device, compile backend) sets.
 
-Random aten ops (``bernoulli``, ``native_dropout``, ``uniform``, ``normal``, ``randperm`` ...) take no
-key in their schema. Their lowerings call ``next_key()``, which splits the key of the source that
-the caller installed with ``keys(...)``: inside a traced program that key is a program input, so a
-cached program draws fresh numbers on every run and one seed gives one stream.
+Random aten ops (``bernoulli``, ``native_dropout``, ``rand``/``randn``/``randint``, ``uniform``,
+``normal``, ``exponential``, ``randperm``, ``multinomial``, dropout inside
+``_scaled_dot_product_flash_attention_for_cpu``) take no key in their schema (their ``generator=``
+argument is ignored). Their lowerings call ``next_key()``, which splits the key of the source the
+caller installed with ``keys(...)``. The same key gives the same numbers; the k-th random op under one
+source gets the k-th split, so one program draws independent numbers per op.
+
+How the callers supply keys:
+
+- The "tpu" device (``tpudist.device``): each random op gets ``fold_in(key(seed), counter)``, where
+  ``seed`` is ``torch.tpu.manual_seed``'s and ``counter`` counts the random ops drawn since; the key
+  is an input of the op's (or the fused graph's) program, never a baked-in constant, so a cached
+  program draws fresh numbers on every run.
+- The compile backend (``tpudist.compile``): each compiled graph takes raw ``uint32[2]`` key data as
+  its first input, drawn from torch's default generator per call (``torch.manual_seed(s)`` gives the
+  same dropout masks every run); the interpreter runs the graph under ``keys(KeySource(key_data))``.
+- Tests and tools: ``with keys(KeySource(jax.random.key(seed))):`` (``tpudist.ops.opcheck.run_on_jax``
+  does this).
+
+Both new-style typed keys (``jax.random.key``) and raw ``uint32[2]`` key data work.
 """
 
 from __future__ import annotations

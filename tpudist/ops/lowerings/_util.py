@@ -116,4 +116,10 @@ def dims_of(dims, ndim: int) -> tuple:
 
 
 def is_one(x) -> bool:
+    """True for the Python number 1 (a traced scalar is never taken for a constant)."""
     return not is_array(x) and x == 1
+
+
+def is_zero(x) -> bool:
+    """True for the Python number 0 (a traced scalar is never taken for a constant)."""
+    return not is_array(x) and x == 0

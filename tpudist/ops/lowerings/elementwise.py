@@ -93,7 +93,7 @@ def floor(x):
     return jnp.floor(x) if is_float(x) else x
 
 
-@lowers(aten.trunc.default, aten.fix.default, prims.trunc.default)
+@lowers(aten.trunc.default, prims.trunc.default)
 def trunc(x):
     return jnp.trunc(x) if is_float(x) else x
 
@@ -122,11 +122,6 @@ def isnan(x):
 @lowers(aten.isinf.default)
 def isinf(x):
     return jnp.isinf(x) if is_float(x) else jnp.zeros(x.shape, jnp.bool_)
-
-
-@lowers(aten.isfinite.default)
-def isfinite(x):
-    return jnp.isfinite(x) if is_float(x) else jnp.ones(x.shape, jnp.bool_)
 
 
 @lowers(aten.isposinf.default)
@@ -192,7 +187,7 @@ def mul(x, y):
     return x * y
 
 
-@lowers(aten.div.Tensor, aten.div.Scalar, aten.true_divide.Tensor)
+@lowers(aten.div.Tensor, aten.div.Scalar)
 def div(x, y):
     x, y = promote(x, y)
     dtype = result_type(x, y)
@@ -272,13 +267,6 @@ def pow_scalar(base, exponent):
     if exponent.dtype == jnp.bool_:
         exponent = exponent.astype(jnp.int64)
     return jnp.power(jnp.asarray(base, exponent.dtype), upcast(exponent))
-
-
-@lowers(aten.float_power.Tensor_Tensor, aten.float_power.Tensor_Scalar, aten.float_power.Scalar)
-def float_power(x, y):
-    x = jnp.asarray(x, jnp.complex128 if isinstance(x, complex) else None)
-    dt = jnp.float64
-    return jnp.power(jnp.asarray(x).astype(dt), jnp.asarray(y).astype(dt))
 
 
 @lowers(aten.maximum.default, prims.maximum.default)
@@ -444,3 +432,26 @@ def clamp_max(x, max):
 @lowers(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 def masked_fill(x, mask, value):
     return jnp.where(mask, jnp.asarray(value).astype(x.dtype), x)
+
+
+# -- complex ---------------------------------------------------------------------------------------
+
+@lowers(aten._conj.default)
+def conj(x):
+    return jnp.conj(x) if jnp.iscomplexobj(x) else x
+
+
+@lowers(aten.view_as_real.default)
+def view_as_real(x):
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+
+
+@lowers(aten.view_as_complex.default)
+def view_as_complex(x):
+    return jax.lax.complex(x[..., 0], x[..., 1])
+
+
+@lowers(aten.angle.default)
+def angle(x):
+    return jnp.angle(x) if jnp.iscomplexobj(x) else jnp.where(x < 0, jnp.pi, 0.0) * (x == x) + jnp.where(
+        jnp.isnan(to_float(x)), jnp.nan, 0.0)

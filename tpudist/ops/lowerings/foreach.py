@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import torch
 
 from tpudist.ops.lowerings import elementwise, factories, linalg, reductions, shape
-from tpudist.ops.lowerings._util import is_array, upcast
+from tpudist.ops.lowerings._util import is_array, is_zero, upcast
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten
@@ -124,7 +124,7 @@ def _adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
             gf = gf / grad_scale
         if maximize:
             gf = -gf
-        if weight_decay != 0:
+        if not is_zero(weight_decay):  # lr, betas, eps and weight_decay may be traced scalars
             if decoupled:
                 pf = pf * (1 - lr * weight_decay)
             else:

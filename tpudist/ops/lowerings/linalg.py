@@ -22,7 +22,7 @@ def _matmul(x, y):
     return jnp.matmul(x, y)
 
 
-@lowers(aten.mm.default, aten.bmm.default, aten.matmul.default, aten.mv.default, aten.dot.default, aten.vdot.default)
+@lowers(aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default, aten.vdot.default)
 def matmul(x, y):
     return _matmul(x, y)
 
@@ -54,12 +54,6 @@ def addbmm(bias, x, y, *, beta=1, alpha=1):
 @lowers(aten.addr.default)
 def addr(bias, x, y, *, beta=1, alpha=1):
     return _scaled_sum(bias, jnp.outer(*promote(x, y)), beta, alpha)
-
-
-@lowers(aten.outer.default, aten.ger.default)
-def outer(x, y):
-    x, y = promote(x, y)
-    return jnp.outer(x, y)
 
 
 def _conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import torch
 
 from tpudist.ops.dtypes import to_jax_dtype
-from tpudist.ops.lowerings._util import is_array, upcast
+from tpudist.ops.lowerings._util import is_array, is_zero, upcast
 from tpudist.ops.registry import lowers
 from tpudist.ops.rng import next_key
 
@@ -46,10 +46,9 @@ def bernoulli_tensor(x, p, *, generator=None):
 
 @lowers(aten.native_dropout.default)
 def native_dropout(x, p, train):
-    if train is False or p == 0:
+    # p may be a traced scalar (the device passes Python floats as program inputs): no branching on it
+    if train is False or is_zero(p):
         return x, jnp.ones(x.shape, jnp.bool_)
-    if p == 1:
-        return jnp.zeros_like(x), jnp.zeros(x.shape, jnp.bool_)
     keep = jax.random.bernoulli(next_key(), 1.0 - p, x.shape)
     return jnp.where(keep, upcast(x) * (1.0 / (1.0 - p)), 0), keep
 

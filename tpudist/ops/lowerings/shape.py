@@ -32,7 +32,7 @@ def _infer_size(shape, numel):
     return tuple(shape)
 
 
-@lowers(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default,
+@lowers(aten.view.default, aten._unsafe_view.default, aten.view_copy.default,
         aten._reshape_alias.default, aten._reshape_alias_copy.default, prims.reshape.default)
 def view(x, size, *_stride):
     return jnp.reshape(x, _infer_size(size, x.size))
@@ -77,11 +77,6 @@ def t(x):
     return x.T if x.ndim == 2 else x
 
 
-@lowers(aten.numpy_T.default)
-def numpy_t(x):
-    return x.T
-
-
 def _slice_bounds(n, start, end, step):
     start = 0 if start is None else start
     end = n if end is None else end
@@ -124,8 +119,7 @@ def unsqueeze(x, dim):
 
 
 @lowers(aten.alias.default, aten.alias_copy.default, aten.clone.default, aten.lift_fresh_copy.default,
-        aten.detach.default, aten.detach_copy.default, aten.lift_fresh.default, aten.positive.default,
-        aten.resolve_conj.default, aten.resolve_neg.default, aten.contiguous.default)
+        aten.detach.default, aten.detach_copy.default, aten.lift_fresh.default)
 def clone(x, *, memory_format=None):
     return x
 
@@ -301,7 +295,4 @@ def split_dim(x, dim, outer_length):
     return x.reshape(*x.shape[:dim], outer_length, x.shape[dim] // outer_length, *x.shape[dim + 1:])
 
 
-@lowers(aten.movedim.int)
-def movedim(x, source, destination):
-    return jnp.moveaxis(x, dim_of(source, x.ndim), dim_of(destination, x.ndim)) if x.ndim else x
 

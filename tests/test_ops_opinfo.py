@@ -1,0 +1,229 @@
+"""PyTorch's OpInfo samples through tpudist.ops, compared with CPU eager torch (values and dtypes).
+
+Each selected OpInfo runs its first sample for each of bool, int32, int64, bfloat16 and float32 that it
+supports: the sample's tensors become ``JaxValue``s and the op runs under ``JaxMode`` inside one
+``jax.jit`` (every aten op it reaches goes through ``tpudist.ops.call``); data-dependent ops fall back to
+eager. The first float32 sample of an op with autograd also runs its backward, which exercises the
+``*_backward`` lowerings. Samples whose op reaches an aten op with no lowering are skipped with that op
+as the reason; a wrong value, dtype or shape, or an error torch does not raise, fails.
+
+Selection keeps the suite inside its time budget: the OpInfos whose aten op has a lowering, plus the
+ones listed in ``EXTRA`` (ops the device and compile paths need that reach lowerings by another name).
+``TPUDIST_OPS_ALL=1`` runs every OpInfo in op_db (several minutes).
+``test_every_lowering_is_exercised`` fails when a registered lowering is reached by no sample here and
+no hand-written case in ``test_ops_lowerings.py``; it prints the coverage summary.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import os
+import time
+import warnings
+
+import pytest
+import torch
+
+from tpudist.ops import UnsupportedOp, lowered_ops
+from tpudist.ops.opcheck import Recorder, compare, recording, run_on_jax
+
+warnings.filterwarnings("ignore", category=UserWarning)
+from torch.testing._internal.common_methods_invocations import (  # noqa: E402  (slow import: ~7 s)
+    foreach_binary_op_db, foreach_other_op_db, foreach_pointwise_op_db, foreach_reduce_op_db,
+    foreach_unary_op_db, op_db)
+
+# OpInfo's sample generators crawl the whole Python stack (inspect.stack) on every call to find the
+# unittest method running them, which costs ~50 ms per sample here: there is none to find under pytest.
+import torch.testing._internal.common_utils as _common_utils  # noqa: E402
+import torch.testing._internal.opinfo.core as _opinfo_core  # noqa: E402
+
+_common_utils.extract_test_fn = _opinfo_core.extract_test_fn = lambda: None
+
+FOREACH_DB = (foreach_unary_op_db + foreach_binary_op_db + foreach_pointwise_op_db + foreach_reduce_op_db
+              + foreach_other_op_db)
+
+DTYPES = (torch.bool, torch.int32, torch.int64, torch.bfloat16, torch.float32)
+
+EXTRA = {
+    "__getitem__", "index_put", "item", "T", "to", "clone", "contiguous", "matmul", "softmax", "log_softmax",
+    "nn.functional.cross_entropy", "nn.functional.nll_loss", "nn.functional.embedding", "nn.functional.dropout",
+    "nn.functional.layer_norm", "nn.functional.scaled_dot_product_attention", "nn.functional.conv2d",
+    "nn.functional.conv1d", "nn.functional.conv_transpose2d", "nn.functional.linear", "nn.functional.gelu",
+    "nn.functional.silu", "nn.functional.relu", "nn.functional.elu", "nn.functional.hardswish",
+    "nn.functional.hardsigmoid", "nn.functional.mish", "nn.functional.softplus", "nn.functional.leaky_relu",
+    "nn.functional.hardtanh", "nn.functional.threshold", "nn.functional.glu", "nn.functional.pad", "flatten",
+    "unflatten", "chunk", "reshape", "view", "view_as", "expand_as", "masked_select", "nonzero", "where",
+    "sigmoid", "tanh", "mT", "mH", "movedim", "narrow", "tensor_split", "rand_like", "randn_like",
+    "bernoulli", "randint_like", "zeros_like", "ones_like", "full_like", "new_full", "new_zeros", "new_ones",
+    "new_empty", "empty_like", "linspace", "eye", "trace", "outer", "logit", "nn.functional.avg_pool1d",
+    "nn.functional.avg_pool2d", "nn.functional.avg_pool3d", "nn.functional.adaptive_avg_pool1d",
+    "nn.functional.adaptive_avg_pool2d", "nn.functional.adaptive_avg_pool3d", "fft.fft", "fft.rfft", "fft.irfft",
+    "fft.fft2", "fft.ifft", "fft.rfftn", "fft.hfft", "cdist", "nn.functional.pdist", "angle",
+    "view_as_real", "view_as_complex",
+}
+# Ops whose values are random or uninitialised: only dtypes and shapes are compared.
+RANDOM = {"bernoulli", "rand_like", "randn_like", "randint_like", "randint", "nn.functional.dropout", "empty",
+          "empty_like", "new_empty", "new_empty_strided", "empty_strided", "normal", "uniform", "exponential",
+          "multinomial", "randn", "rand", "empty_permuted", "nn.functional.rrelu", "nn.functional.alpha_dropout",
+          "nn.functional.feature_alpha_dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
+          "cauchy", "geometric", "log_normal", "randperm"}
+# Ops whose indices are implementation-defined where values tie: values only (plus dtypes and shapes).
+TIES = {"sort", "argsort", "topk", "kthvalue", "msort", "median", "nanmedian", "mode"}
+# Ops that sum many products: XLA's and MKL's summation orders differ, so float32 gets atol 1e-5
+# (torch's own default) instead of 1e-6.
+ACCUMULATING = {"mm", "bmm", "matmul", "addmm", "addmv", "addbmm", "baddbmm", "mv", "dot", "vdot", "inner",
+                "_foreach_mm", "nn.functional.linear", "nn.functional.conv1d", "nn.functional.conv2d",
+                "nn.functional.conv_transpose2d", "nn.functional.scaled_dot_product_attention", "einsum",
+                "tensordot", "trace", "addr", "outer", "linalg.vector_norm", "cumsum", "sum", "mean", "var",
+                "std", "var_mean", "std_mean", "logsumexp", "prod", "cumprod", "nn.functional.layer_norm",
+                "native_layer_norm", "softmax", "log_softmax", "nn.functional.cross_entropy"}
+# Ops whose backward is not compared, with the reason.
+NO_GRAD = {
+    "as_strided": "as_strided's backward views a storage-sized buffer; JaxValues have no storage",
+    "as_strided_copy": "as_strided's backward views a storage-sized buffer; JaxValues have no storage",
+    "as_strided_scatter": "as_strided's backward views a storage-sized buffer; JaxValues have no storage",
+}
+# Known, intended differences from the CPU kernel: (op name, output index) -> reason.
+DTYPE_DEVIATIONS = {
+    ("native_layer_norm", 1): "mean/rstd of bf16 input are float32, as torch's meta (and CUDA) kernel says",
+    ("native_layer_norm", 2): "mean/rstd of bf16 input are float32, as torch's meta (and CUDA) kernel says",
+}
+
+
+def _selected():
+    if os.environ.get("TPUDIST_OPS_ALL"):
+        return list(op_db) + FOREACH_DB
+    packets = {str(op).split(".")[1] for op in lowered_ops() if str(op).startswith("aten.")}
+    return [info for info in op_db + FOREACH_DB
+            if info.aten_name in packets or info.name in packets or info.name in EXTRA]
+
+
+SELECTED = _selected()
+RECORDER = Recorder()
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    dtype: torch.dtype
+    status: str  # pass | mismatch | error | unsupported | reference_error | no_samples
+    detail: str = ""
+
+
+def _grads(fn, sample, outputs):
+    """Gradients of sum(float outputs * 1/(i+2)) with respect to the sample's float inputs."""
+    leaves = [x for x in [sample.input, *sample.args] if isinstance(x, torch.Tensor) and x.requires_grad]
+    flat = [o for o in (outputs if isinstance(outputs, (tuple, list)) else [outputs])
+            if isinstance(o, torch.Tensor) and o.dtype.is_floating_point and o.requires_grad]
+    if not leaves or not flat:
+        return None
+    total = sum((o * (1.0 / (i + 2))).sum() for i, o in enumerate(flat))
+    return torch.autograd.grad(total, leaves, allow_unused=True)
+
+
+def _run_sample(info, sample, dtype, with_grad):
+    fn = info.op
+    random = info.name in RANDOM
+    try:
+        expected = fn(sample.input, *sample.args, **sample.kwargs)
+        expected_grads = _grads(fn, sample, expected) if with_grad else None
+    except Exception as err:  # noqa: BLE001  (torch rejects the sample: nothing to compare)
+        return Outcome(dtype, "reference_error", f"{type(err).__name__}")
+
+    def both(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return out, _grads(fn, _Sample(args[0], args[1:]), out) if with_grad else None
+
+    try:
+        actual, actual_grads = run_on_jax(both, sample.input, *sample.args, **sample.kwargs)
+    except UnsupportedOp as err:
+        return Outcome(dtype, "unsupported", str(err.reached))
+    except Exception as err:  # noqa: BLE001  (reported as a failure with its message)
+        if "data is not allocated yet" in str(err):  # a C++ kernel read a tensor argument's data directly
+            return Outcome(dtype, "unsupported", "a C++ kernel reading a tensor argument on the host")
+        return Outcome(dtype, "error", f"{type(err).__name__}: {str(err)[:300]}")
+    if info.name in TIES:
+        expected, actual = expected[0], actual[0]
+    for (name, index), _reason in DTYPE_DEVIATIONS.items():
+        if name == info.name and isinstance(actual, (list, tuple)) and index < len(actual):
+            actual = list(actual)
+            actual[index] = actual[index].to(expected[index].dtype)
+    atol = 1e-5 if info.name in ACCUMULATING and dtype == torch.float32 else None
+    why = compare(expected, actual, values=not random, atol=atol)
+    if why is None and expected_grads is not None:
+        # gradients go through several ops (and torch's backward formulas): 1e-4 relative, 1e-5 absolute
+        why = compare([g for g in expected_grads if g is not None], [g for g in actual_grads if g is not None],
+                      values=not random, rtol=1e-4, atol=1e-5)
+        why = None if why is None else f"gradient: {why}"
+    return Outcome(dtype, "pass" if why is None else "mismatch", why or "")
+
+
+@dataclasses.dataclass
+class _Sample:
+    input: object
+    args: tuple
+
+
+@functools.cache
+def run_opinfo(index: int) -> tuple:
+    info = SELECTED[index]
+    outcomes = []
+    supported = info.supported_dtypes("cpu")
+    foreach = info.name.startswith("_foreach_")
+    for dtype in DTYPES:
+        if dtype not in supported:
+            continue
+        with_grad = (dtype == torch.float32 and info.supports_autograd and not foreach
+                     and info.name not in RANDOM and info.name not in NO_GRAD)
+        # foreach OpInfos cycle through their overloads (Scalar, List, ScalarList, Tensor) sample by sample
+        count = 6 if foreach and dtype == torch.float32 else 1
+        extra = {"num_input_tensors": [2]} if foreach else {}
+        try:
+            samples = [s for _, s in zip(range(count), info.sample_inputs("cpu", dtype, requires_grad=with_grad,
+                                                                           **extra))]
+        except Exception as err:  # noqa: BLE001
+            outcomes.append(Outcome(dtype, "reference_error", f"sample_inputs: {type(err).__name__}"))
+            continue
+        if not samples:
+            outcomes.append(Outcome(dtype, "no_samples"))
+        for sample in samples:
+            with recording(RECORDER):
+                outcomes.append(_run_sample(info, sample, dtype, with_grad))
+    return tuple(outcomes)
+
+
+def _id(info):
+    return f"{info.name}.{info.variant_test_name}" if info.variant_test_name else info.name
+
+
+@pytest.mark.parametrize("index", range(len(SELECTED)), ids=[_id(i) for i in SELECTED])
+def test_opinfo(index):
+    outcomes = run_opinfo(index)
+    bad = [o for o in outcomes if o.status in ("mismatch", "error")]
+    assert not bad, "\n".join(f"{o.dtype}: {o.status}: {o.detail}" for o in bad)
+    if outcomes and all(o.status == "unsupported" for o in outcomes):
+        pytest.skip(f"reaches an op with no lowering: {outcomes[0].detail}")
+
+
+def test_every_lowering_is_exercised():
+    started = time.perf_counter()
+    outcomes = [run_opinfo(i) for i in range(len(SELECTED))]
+    import test_ops_lowerings  # the hand-written cases for ops no OpInfo reaches
+
+    if set(lowered_ops()) - RECORDER.seen - test_ops_lowerings.RECORDER.seen:
+        # its tests did not run in this process (-k, xdist): run its cases here
+        with recording(test_ops_lowerings.RECORDER):
+            test_ops_lowerings.run_all_cases()
+    RECORDER.seen |= test_ops_lowerings.RECORDER.seen
+    counts = collections.Counter(o.status for per_op in outcomes for o in per_op)
+    reasons = collections.Counter(o.detail for per_op in outcomes for o in per_op if o.status == "unsupported")
+    ops_passing = sum(1 for per_op in outcomes if per_op and all(o.status in ("pass", "reference_error",
+                                                                               "no_samples") for o in per_op))
+    missing = sorted(str(op) for op in set(lowered_ops()) - RECORDER.seen)
+    print(f"\nOpInfo coverage: {len(SELECTED)} OpInfos, {ops_passing} with every sample passing; "
+          f"samples: {dict(counts)}; lowerings exercised {len(RECORDER.seen)}/{len(lowered_ops())} "
+          f"({time.perf_counter() - started:.0f} s for what had not run yet)")
+    for reason, n in reasons.most_common():
+        print(f"  skipped {n:3d} samples: reaches {reason} (no lowering)")
+    assert not missing, f"{len(missing)} registered lowerings are exercised by no test: {missing}"
