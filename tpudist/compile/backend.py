@@ -6,6 +6,8 @@ Options (``torch.compile(..., options={...})``):
 - ``on_missing_op``: ``"raise"`` (default) raises :class:`MissingOpError` naming the op and the user
   line; ``"graph_break"`` splits the graph around the torch code that needs the op and runs that code
   eagerly in torch (with a warning), compiling the rest.
+- ``xla_options``: a dict of XLA compiler options for these programs only (e.g.
+  ``{"xla_cpu_multi_thread_eigen": False}``), part of the program key.
 """
 
 from __future__ import annotations
@@ -26,18 +28,25 @@ _ON_MISSING = ("raise", "graph_break")
 @dataclass(frozen=True, slots=True)
 class Options:
     on_missing_op: str = "raise"
+    xla_options: tuple = ()  # sorted (name, value) pairs
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "Options":
         options = dict(options or {})
-        unknown = sorted(set(options) - {"on_missing_op"})
+        unknown = sorted(set(options) - {"on_missing_op", "xla_options"})
         if unknown:
             raise ValueError(f"torch.compile(backend='tpu') options {unknown} are not known; "
-                             "the backend takes: on_missing_op")
+                             "the backend takes: on_missing_op, xla_options")
         value = options.get("on_missing_op", "raise")
         if value not in _ON_MISSING:
             raise ValueError(f"on_missing_op={value!r} must be one of {_ON_MISSING}")
-        return cls(on_missing_op=value)
+        xla = options.get("xla_options") or {}
+        if not isinstance(xla, dict):
+            raise TypeError(f"xla_options={xla!r} must be a dict of XLA compiler option names to values")
+        return cls(on_missing_op=value, xla_options=tuple(sorted(xla.items())))
+
+    def as_dict(self) -> dict:
+        return {"on_missing_op": self.on_missing_op, "xla_options": dict(self.xla_options)}
 
 
 def backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
@@ -57,7 +66,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None
         warnings.warn(f"torch.compile(backend='tpu') ignores mode={mode!r}", stacklevel=2)
     check_static(gm, example_inputs)
     try:
-        return _aot(gm, example_inputs)
+        return _aot(gm, example_inputs, opts)
     except MissingOpError as e:
         if opts.on_missing_op != "graph_break":
             raise
@@ -140,13 +149,14 @@ def _partition(joint, joint_inputs, **kwargs):
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
-def _compiler(kind: str):
+def _compiler(kind: str, opts: Options):
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list):
         from tpudist.compile import collectives
         from tpudist.compile.program import GraphProgram
 
         raise_if_missing(gm.graph)
-        return GraphProgram(gm, list(example_inputs), name=kind, collectives=collectives.for_graph(gm))
+        return GraphProgram(gm, list(example_inputs), name=kind, collectives=collectives.for_graph(gm),
+                            xla_options=dict(opts.xla_options))
 
     return compile_graph
 
@@ -161,13 +171,13 @@ def _math_sdpa():
         yield
 
 
-def _aot(gm: torch.fx.GraphModule, example_inputs: list):
+def _aot(gm: torch.fx.GraphModule, example_inputs: list, opts: Options):
     from torch._dynamo.backends.common import aot_autograd
 
     compiler = aot_autograd(
-        fw_compiler=_compiler("forward"),
-        bw_compiler=_compiler("backward"),
-        inference_compiler=_compiler("inference"),
+        fw_compiler=_compiler("forward", opts),
+        bw_compiler=_compiler("backward", opts),
+        inference_compiler=_compiler("inference", opts),
         partition_fn=_partition,
         decompositions=_decompositions(),
     )
