@@ -173,6 +173,10 @@ def test_dynamic_shapes_error_names_the_dim():
 def test_bad_option():
     with pytest.raises(ValueError, match="on_missing_op"):
         tc.backend(None, [], options={"on_missing_op": "cpu"})
+    with pytest.raises(ValueError, match="not known"):
+        tc.backend(None, [], options={"fast": True})
+    with pytest.raises(TypeError, match="xla_options"):
+        tc.backend(None, [], options={"xla_options": ["xla_cpu_multi_thread_eigen"]})
 
 
 def test_dropout_seeded_masks_and_keep_rate():
