@@ -22,24 +22,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RUNNER = os.path.join(HERE, "upstream", "c10d_spawn.py")
 
 # Chosen to cover the c10d entry points a Python backend serves (and the forms issue 12 found
-# broken) at two ranks within CI's budget; every one of them passes on gloo at 2 ranks (the suite's
-# all_to_all tests are MPI-only). Three chunks, so pytest-xdist can spread them.
+# broken) at two ranks within CI's budget (each test spawns fresh ranks: ~3-6 s on a quiet 2-core
+# machine); every one of them passes on gloo at 2 ranks (the suite's all_to_all tests are MPI-only).
+# More that pass on both, left out for time, are listed in the README. Three chunks, so
+# pytest-xdist can spread them.
 SELECTION = {
     "p2p": [
         "test_send_recv", "test_send_recv_autograd_profiler", "test_send_recv_torch_profiler",
         "test_send_recv_any_source", "test_send_recv_any_source_autograd_profiler",
-        "test_send_recv_any_source_torch_profiler", "test_send_recv_with_tag", "test_irecv",
-        "test_batch_isend_irecv_gloo", "test_batch_isend_irecv_gloo_tags",
+        "test_send_recv_any_source_torch_profiler", "test_irecv",
+        "test_batch_isend_irecv_gloo",
     ],
     "reductions": [
-        "test_all_reduce_sum", "test_all_reduce_sum_async", "test_all_reduce_sum_complex",
+        "test_all_reduce_sum", "test_all_reduce_sum_complex",
         "test_all_reduce_complex_unsupported_ops", "test_sparse_all_reduce_sum",
-        "test_all_reduce_coalesced_sum", "test_all_reduce_coalesced_max_complex_unsupported",
-        "test_reduce_sum", "test_broadcast", "test_barrier",
+        "test_all_reduce_coalesced_sum", "test_reduce_sum", "test_broadcast", "test_barrier",
     ],
     "movement": [
-        "test_all_gather", "test_all_gather_complex", "test_all_gather_coalesced_simple",
-        "test_all_gather_coalesced_with_empty", "test_gather", "test_scatter",
+        "test_all_gather", "test_all_gather_coalesced_simple",
+        "test_all_gather_coalesced_with_empty", "test_scatter",
         "test_scatter_object_list", "test_all_gather_object_default_pg",
         "test_DistributedDataParallelCPU", "test_get_future",
     ],
