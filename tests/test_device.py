@@ -124,7 +124,12 @@ def _view_cases():
     def c14(m):  # in-place on an integer view and a bool mask fill
         x = m(torch.arange(12).view(3, 4)); x[:, -1] += 7; x.masked_fill_(x > 9, -1); return x
 
-    return [c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14]
+    def c15(m):  # out= into an empty tensor (resized), resize_ keeping the leading elements, set_ aliasing
+        out = m(torch.empty(0)); torch.mul(m(torch.arange(6.).view(2, 3)), 2, out=out)
+        out.resize_(4); a = m(torch.zeros(4)); a.set_(out); a.add_(1)
+        return torch.cat([out, a])
+
+    return [c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15]
 
 
 def run_views(mode):

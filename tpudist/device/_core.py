@@ -259,12 +259,10 @@ def _build(op, key, leaves):
             if sig[t][0] != "T":
                 raise _device_mismatch(op, leaves[t])
         # out= with a shape change: the meta kernel resized the meta out tensor
-        for t in targets:
-            mt = meta_leaves[t]
-            if tuple(mt.shape) != sig[t][2]:
-                raise NotImplementedError(f"{op}: resizing an out= tensor from {sig[t][2]} to {tuple(mt.shape)} "
-                                          "is not supported on the tpu device; pass an out tensor of the "
-                                          "result's shape")
+        resize = [(t, tuple(meta_leaves[t].shape)) for t in targets
+                  if tuple(meta_leaves[t].shape) != sig[t][2]]
+        if resize:
+            raise _ResizeOut(resize)
         fresh = []
         returns = ("targets", len(schema.returns))
     elif meta is _NO_META:
@@ -303,6 +301,14 @@ _META_DEVICE = torch.device("meta")
 _NO_SCALARS = np.zeros((0,), _F64)
 
 
+class _ResizeOut(Exception):
+    """out= tensors of the wrong shape: resize them (as torch's resize_output does), then retry."""
+
+    def __init__(self, resize):
+        super().__init__(resize)
+        self.resize = resize
+
+
 class _DataDependent(Exception):
     """The op's result is not a tensor of known shape (item, equal, nonzero ...): run it concretely."""
 
@@ -330,6 +336,10 @@ def kernel_for(op, args, kwargs):
         rt.stats["misses"] += 1
         try:
             kernel = _build(op, key, leaves)
+        except _ResizeOut as e:
+            for leaf, shape in e.resize:
+                leaves[leaf].resize_(shape)
+            return kernel_for(op, args, kwargs)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
                 jax.errors.TracerIntegerConversionError):
             if static:

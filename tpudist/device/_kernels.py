@@ -105,22 +105,42 @@ def fused_sdp_choice(*args, **kwargs):
 
 
 def resize_(x, size, *, memory_format=None):
-    size = tuple(size)
+    """Resize in place, keeping the leading elements (torch's semantics), through ``.data =``.
+
+    torch's resize_ kernels grow the storage through an allocator a Python backend cannot provide;
+    swapping the TensorImpl's storage and geometry (``set_data``, no dispatch) does the same here.
+    """
+    import math
+
+    import jax.numpy as jnp
+
+    size = tuple(int(n) for n in size)
     if size == tuple(x.shape):
         return x
+    numel = math.prod(size)
     buf = core.buffer_of(x)
-    need = x.storage_offset() + (torch.Size(size).numel())
-    if need > buf.numel:
-        if buf.value is not None:
-            raise NotImplementedError(
-                f"growing a tpu tensor in place from {tuple(x.shape)} to {size} is not supported; "
-                "allocate a new tensor (torch.empty(..., device='tpu'))")
-        buf.numel = need
-    return aten.resize_.default.redispatch(core.META, x, size)
+    if x.is_contiguous() and x.storage_offset() + numel <= buf.numel:
+        x.data = aten.as_strided.default.redispatch(core.META, x, size, views.contiguous_strides(size),
+                                                    x.storage_offset())
+        return x
+    fresh = core.new_tensor(size, x.dtype)
+    if buf.value is not None and x.numel() and numel:
+        old = core.value_of(x).reshape(-1)[:numel]
+        with jax_x64():
+            core.buffer_of(fresh).value = jnp.concatenate([old, jnp.zeros((numel - old.shape[0],), old.dtype)])
+    x.data = fresh
+    return x
+
+
+def jax_x64():
+    import jax
+
+    return jax.enable_x64(True)
 
 
 def set_source_tensor(x, source):
-    return aten.set_.source_Tensor.redispatch(core.META, x, source)
+    x.data = source  # the storage and geometry of source (set_data: no dispatch, no allocator)
+    return x
 
 
 def record_stream(x, stream):
