@@ -219,6 +219,15 @@ def run_errors():
     lib.impl("thrice", lambda x: torch.empty_like(x), "Meta")
     tops.lowers(torch.ops.tpudist_devtest.thrice.default)(lambda x: x * 3)
     out["custom_lowered"] = torch.ops.tpudist_devtest.thrice(torch.ones(2, device="tpu")).cpu()
+
+    @torch.library.custom_op("tpudist_devtest::scaled", mutates_args=())
+    def scaled(x: torch.Tensor) -> torch.Tensor:  # a Python body torch would run on any device
+        return x * 2
+
+    scaled.register_fake(lambda x: torch.empty_like(x))
+    tops.lowers(torch.ops.tpudist_devtest.scaled.default)(lambda x: x * 5)  # registered after install
+    out["custom_op"] = (torch.ops.tpudist_devtest.scaled(torch.ones(2, device="tpu")).cpu(),
+                        torch.ops.tpudist_devtest.scaled(torch.ones(2)))
     try:
         torch.ops.tpudist_devtest.twice(torch.ones(2, device="tpu"))
     except NotImplementedError as e:
@@ -557,6 +566,8 @@ def test_errors_are_torchs(dev):
     assert (kind, message) == ("RuntimeError", meta_message)  # torch's own message (its meta kernel)
     assert torch.equal(out["cpu_scalar_ok"], torch.full((2, 3), 3.0))
     assert torch.equal(out["custom_lowered"], torch.full((2,), 3.0))  # a custom namespace op, via the table
+    on_tpu, on_cpu = out["custom_op"]  # a custom_op: its lowering on tpu, its Python body on CPU
+    assert torch.equal(on_tpu, torch.full((2,), 5.0)) and torch.equal(on_cpu, torch.full((2,), 2.0))
     assert "tpudist_devtest.twice" in out["no_lowering"]
     assert torch.equal(out["fallback"], torch.full((2,), 2.0))
     assert out["fallback_warnings"] == 1  # warned once per op

@@ -169,12 +169,10 @@ _VIEW_OPS = (
 
 def _twins(op) -> list:
     """The in-place and out= overloads whose functional twin is ``op``."""
-    name = op._schema.name.split("::")  # noqa: SLF001
-    if name[0] != "aten":
-        return []
+    namespace, name = op._schema.name.split("::")  # noqa: SLF001
     found = []
-    for packet_name in (name[1] + "_", name[1]):
-        packet = getattr(torch.ops.aten, packet_name, None)
+    for packet_name in (name + "_", name):
+        packet = getattr(getattr(torch.ops, namespace), packet_name, None)
         if packet is None:
             continue
         for overload in packet.overloads():
@@ -184,28 +182,58 @@ def _twins(op) -> list:
     return found
 
 
+_DONE: set = set()
+
+
+def _impl(op, fn) -> None:
+    name = op.name()
+    if name in _DONE:
+        return
+    _DONE.add(name)
+    namespace, rest = name.split("::")
+    lib = _LIBS_BY_NAMESPACE.get(namespace)
+    if lib is None:
+        lib = _LIBS_BY_NAMESPACE[namespace] = torch.library.Library(namespace, "IMPL")
+    lib.impl(rest, fn, "PrivateUse1", with_keyset=False)
+
+
+_LIBS_BY_NAMESPACE: dict = {}
+
+
+def register_lowered(op) -> None:
+    """Route ``op`` (and its in-place/out twins) on tpu tensors to its lowering in ``tpudist.ops``.
+
+    Ops of any namespace: a ``torch.library.custom_op`` has a CompositeExplicitAutograd kernel that
+    would otherwise run its Python body on tpu tensors instead of the JAX lowering.
+    """
+    if op in _SPECIAL or is_view_op(op):
+        return
+    _impl(op, functools.partial(execute_kernel, op))
+    for twin in _twins(op):
+        if twin not in _SPECIAL:
+            _impl(twin, functools.partial(execute_kernel, twin))
+
+
+class _NotifyingTable(dict):
+    """tpudist.ops' table, telling the device about lowerings registered after it was installed."""
+
+    def __setitem__(self, op, fn):
+        super().__setitem__(op, fn)
+        register_lowered(op)
+
+
 def register() -> None:
     """Install the PrivateUse1 kernels (once, from ``tpudist.device``'s import)."""
-    lib = torch.library.Library("aten", "IMPL")
+    from tpudist.ops import registry
+
     fallback_lib = torch.library.Library("_", "IMPL")
-    _LIBS.extend([lib, fallback_lib])
-    done = set()
-
-    def impl(op, fn):
-        name = op.name()
-        if name in done:
-            return
-        done.add(name)
-        lib.impl(name.split("::")[1], fn, "PrivateUse1", with_keyset=False)
-
+    _LIBS.append(fallback_lib)
     for op in _SPECIAL:
-        impl(op, functools.partial(generic_kernel, op))
+        _impl(op, functools.partial(generic_kernel, op))
     for op in _VIEW_OPS:
-        impl(op, functools.partial(view_kernel, op))
+        _impl(op, functools.partial(view_kernel, op))
     for op in tops.lowered_ops():
-        if op._schema.name.startswith("aten::") and op.name() not in done and not is_view_op(op):  # noqa: SLF001
-            impl(op, functools.partial(execute_kernel, op))
-            for twin in _twins(op):
-                if twin not in _SPECIAL:
-                    impl(twin, functools.partial(execute_kernel, twin))
+        register_lowered(op)
+    if not isinstance(registry._TABLE, _NotifyingTable):  # noqa: SLF001
+        registry._TABLE = _NotifyingTable(registry._TABLE)  # noqa: SLF001
     fallback_lib.fallback(generic_kernel, "PrivateUse1")
