@@ -7,6 +7,8 @@
 One small function per aten op overload, registered with ``@lowers(...)`` (see ``registry``); ops
 without a lowering run torch's decomposition through the table (see ``interpret``). No torch device
 state lives here: the layers above decide where arrays live and when programs are compiled.
+Random lowerings draw keys from the caller's ``keys(KeySource(key))`` (see ``rng``);
+``tpudist.ops.opcheck`` runs torch code through the table and compares it with CPU eager.
 """
 
 from tpudist.ops import lowerings as _lowerings  # noqa: F401  (registers the table)

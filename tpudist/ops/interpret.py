@@ -8,7 +8,13 @@ Run it with 64-bit types on (``with jax.enable_x64(True):``), or int64 tensors b
 An op with no lowering is decomposed, if torch has a decomposition for it, by running that Python
 decomposition on ``JaxValue`` tensors (wrappers around JAX values) under ``JaxMode``, a dispatch
 mode that sends every aten op it meets back through ``call``. Inside ``jax.jit`` the decomposition
-traces into the same program, so a decomposed op is still one kernel.
+traces into the same program, so a decomposed op is still one kernel. ``JaxMode`` runs in-place and
+``out=`` ops as their functional twins and rebinds the written ``JaxValue``s; a write into a view
+(slice, select, diagonal, as_strided, view/reshape, permute/transpose, split/unbind) is written back
+into its base, and any other view write raises ``UnsupportedOp`` rather than being lost.
+
+The meta result ``call`` casts to is cached by (op, argument shapes/dtypes, other arguments): a
+cache hit costs a few microseconds, a meta kernel 50-800.
 """
 
 from __future__ import annotations
