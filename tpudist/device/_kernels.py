@@ -234,6 +234,7 @@ def register() -> None:
         _impl(op, functools.partial(view_kernel, op))
     for op in tops.lowered_ops():
         register_lowered(op)
-    if not isinstance(registry._TABLE, _NotifyingTable):  # noqa: SLF001
-        registry._TABLE = _NotifyingTable(registry._TABLE)  # noqa: SLF001
+    table = getattr(registry, "_TABLE", None)
+    if isinstance(table, dict) and not isinstance(table, _NotifyingTable):
+        registry._TABLE = _NotifyingTable(table)  # noqa: SLF001  (later lowerings reach the device too)
     fallback_lib.fallback(generic_kernel, "PrivateUse1")
