@@ -10,7 +10,8 @@ collective over its axis:
 ==================================  =====================================
 all_reduce (sum/avg/max/min/product) psum / pmean / pmax / pmin / gather+prod
 all_gather_into_tensor               all_gather(axis 0, tiled)
-reduce_scatter_tensor (sum/avg)      psum_scatter(dim 0, tiled) (/ n)
+reduce_scatter_tensor                psum_scatter(dim 0, tiled) (/ n for avg);
+                                     max/min/product: all-reduce, own chunk
 all_to_all_single (equal splits)     all_to_all(dim 0, tiled)
 broadcast                            psum of the source's block
 wait_tensor                          nothing (XLA orders the program)
@@ -325,11 +326,13 @@ def _reduce_scatter(ctx, node, x, reduce_op, group_size, group_name):
         raise UnsupportedGraph(f"{node.target} at {user_line(node)}: dim 0 of size {x.shape[0]} does not divide "
                                f"into {ctx.size} ranks")
     op = reduce_op.lower()
-    if op not in ("sum", "avg"):
-        raise UnsupportedGraph(f"{node.target} at {user_line(node)}: reduce_scatter {op!r} is not supported "
-                               "inside compiled graphs (sum, avg)")
-    out = lax.psum_scatter(x, ctx.axis, scatter_dimension=0, tiled=True)
-    return out / ctx.size if op == "avg" else out
+    if op in ("sum", "avg"):
+        out = lax.psum_scatter(x, ctx.axis, scatter_dimension=0, tiled=True)
+        return out / ctx.size if op == "avg" else out
+    # XLA's reduce-scatter only sums: all-reduce with the op, then keep this rank's chunk.
+    chunk = x.shape[0] // ctx.size
+    reduced = _reduce(ctx, node, x, op)
+    return lax.dynamic_slice_in_dim(reduced, lax.axis_index(ctx.axis) * chunk, chunk, axis=0)
 
 
 def _reduce_scatter_coalesced(ctx, node, xs, reduce_op, group_size, group_name):
