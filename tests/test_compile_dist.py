@@ -208,7 +208,8 @@ def funcol_ops():
         d = funcol.reduce_scatter_tensor(c * 3, "sum", 0, group)
         e = funcol.all_to_all_single(y + 1, None, None, group)
         f = funcol.reduce_scatter_tensor(c, "max", 0, group)
-        return a, b, c, d, e, f
+        g = funcol.broadcast(x + 1, 1, group)
+        return a, b, c, d, e, f, g
 
     rank = dist.get_rank()
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3) * (rank + 1) - 2
@@ -222,7 +223,7 @@ def funcol_ops():
 
 def test_functional_collectives_match_eager(pool2):
     for same, programs in pool2.run(funcol_ops, timeout=120):
-        assert same == [True] * 6, same
+        assert same == [True] * 7, same
         assert len(programs) == 1 and {"all-reduce", "all-gather", "reduce-scatter", "all-to-all"} <= set(programs[0][1]), programs
 
 

@@ -353,10 +353,11 @@ def _broadcast(ctx, node, x, src, group_name):
     import jax.numpy as jnp
     from jax import lax
 
-    mine = lax.axis_index(ctx.axis) == ctx.ranks.index(src) if src in ctx.ranks else None
-    if mine is None:
-        raise UnsupportedGraph(f"{node.target} at {user_line(node)}: src={src} is not in group ranks {ctx.ranks}")
-    return lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), ctx.axis)
+    # c10d's functional broadcast hands ``src`` to the group as its root: a rank within the group.
+    if not 0 <= src < ctx.size:
+        raise UnsupportedGraph(f"{node.target} at {user_line(node)}: src={src} is not a rank of group "
+                               f"{ctx.group_name!r} (size {ctx.size})")
+    return lax.psum(jnp.where(lax.axis_index(ctx.axis) == src, x, jnp.zeros_like(x)), ctx.axis)
 
 
 def _wait(ctx, node, x):
