@@ -642,6 +642,7 @@ print(json.dumps(torch.tpu.cache_stats()))
 
 
 def test_second_process_compiles_fused_steps_from_the_persistent_cache(tmp_path):
+    pytest.importorskip("flatbuffers", reason="jax.export serialization (the fused-program disk cache) needs it")
     runs = []
     for _ in range(2):
         result = _fresh_python(_COMPILE_CODE, {"TPUDIST_CACHE_DIR": str(tmp_path)})

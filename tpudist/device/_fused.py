@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import pickle
 import time
 import weakref
 
@@ -108,9 +107,16 @@ def _program(nodes, live):
 
 
 def _disk_dir():
-    """Compiled fused programs on disk, next to JAX's persistent cache (None when it is off)."""
+    """Traced fused programs on disk, next to JAX's persistent cache (None when it is off).
+
+    Off as well without ``flatbuffers``, which ``jax.export`` serialization needs.
+    """
+    import importlib.util
+
     from tpudist.jax_cache import cache_dir
 
+    if importlib.util.find_spec("flatbuffers") is None:
+        return None
     base = cache_dir()
     return None if base is None else base / "tpudist_fused"
 
@@ -140,35 +146,39 @@ def _disk_key(g: Graph, live) -> str:
 
 
 def _load_or_compile(g: Graph, live, sc):
-    """A fused program: deserialized from disk if an identical graph was compiled before, else compiled.
+    """A fused program, its traced module read from disk if an identical graph was traced before.
 
     JAX's persistent cache saves XLA's compile but not the tracing of hundreds of kernels into one
-    program, which dominates a warm start; a serialized executable skips both.
+    program, which dominates a warm start. The traced program is stored as a ``jax.export`` module
+    and compiled through JAX (whose persistent cache then hits). Serialized XLA:CPU executables
+    (``jax.experimental.serialize_executable``) were tried first: loaded next to kernels compiled in
+    the process they failed at run time ("NOT_FOUND: Function wrapped_add not found").
     """
-    from jax.experimental import serialize_executable
+    from jax import export
 
     folder = _disk_dir()
     path = None
+    exported = None
     if folder is not None:
-        path = folder / f"{_disk_key(g, live)}.pkl"
+        path = folder / f"{_disk_key(g, live)}.jaxexport"
         if path.exists():
             try:
-                payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+                exported = export.deserialize(bytearray(path.read_bytes()))
                 rt.stats["programs_from_disk"] += 1
-                return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-            except Exception:  # noqa: BLE001 - a stale or truncated entry: recompile and overwrite it
+            except Exception:  # noqa: BLE001 - a stale or truncated entry: trace again and overwrite it
                 rt.stats["disk_cache_errors"] += 1
-    with jax.enable_x64(True):
-        compiled = _program(g.nodes, live).lower(g.inputs, sc).compile()
-    if path is not None:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(pickle.dumps(serialize_executable.serialize(compiled)))
-            tmp.replace(path)  # atomic: concurrent ranks of one machine may write the same entry
-        except Exception:  # noqa: BLE001 - the disk cache is an optimisation; never fail the step on it
-            rt.stats["disk_cache_errors"] += 1
-    return compiled
+    if exported is None:
+        with jax.enable_x64(True):
+            exported = export.export(_program(g.nodes, live))(g.inputs, sc)
+        if path is not None:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_bytes(exported.serialize())
+                tmp.replace(path)  # atomic: concurrent ranks of one machine may write the same entry
+            except OSError:  # the disk cache is an optimisation; never fail the step on it
+                rt.stats["disk_cache_errors"] += 1
+    return jax.jit(exported.call)
 
 
 def flush() -> None:
