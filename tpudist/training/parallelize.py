@@ -126,6 +126,7 @@ def apply_compile(model: nn.Module, backend: str = "tpu") -> None:
     either way). With backend "tpu" a tensor-parallel block's collectives run inside its program.
     """
     for block in model.layers:
+        block = getattr(block, "_checkpoint_wrapped_module", block)  # checkpointing re-runs it as is
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=True, dynamic=False)
 
 
@@ -150,8 +151,6 @@ def parallelize(model: nn.Module, mesh, *, parallelism: str = "fsdp", param_dtyp
             raise ValueError("parallelism='ddp' does not combine with tp; use parallelism='fsdp' with --mesh")
         apply_tp(model, mesh["tp"])
     if activation_checkpoint:
-        if compile_backend:
-            raise ValueError("activation_checkpoint and compile together are not supported yet: pick one")
         apply_activation_checkpointing(model)
     if compile_backend:
         apply_compile(model, compile_backend)
