@@ -124,6 +124,25 @@ def test_boundary_inputs():
     torch.testing.assert_close(r.grad, 2 * r.detach())
 
 
+def test_boundary_does_not_copy_aligned_inputs():
+    """An aligned contiguous CPU tensor enters XLA as its own memory, and its storage stays resizable."""
+    import jax
+
+    from tpudist.compile import boundary
+
+    t = torch.randn(64, 32)
+    device = jax.local_devices()[0]
+    keep: list = []
+    with jax.enable_x64(True):
+        (arr,) = boundary.to_jax([t], [jax.core.ShapedArray((64, 32), jax.numpy.float32)],
+                                 jax.sharding.SingleDeviceSharding(device), device, keep)
+    assert t.data_ptr() % 64 == 0 and arr.unsafe_buffer_pointer() == t.data_ptr()
+    out = boundary.to_torch(arr * 2, torch.float32)
+    torch.testing.assert_close(out, t * 2)
+    del arr, keep
+    t.untyped_storage().resize_(0)  # what FSDP2 does to freed parameters: Tensor.numpy() would forbid it
+
+
 @torch.library.custom_op("tpudist_test::mystery", mutates_args=())
 def mystery(x: torch.Tensor) -> torch.Tensor:
     return x * 2 + 1
