@@ -536,9 +536,9 @@ def test_views_and_aliasing_match_cpu(dev, mode):
 
 
 def test_fused_compiles_nothing_after_step_two_with_dropout(dev):
-    steps = 8
+    steps = 50
     programs, losses, fallback = dev(run_fused_dropout, steps)
-    assert programs[-1] == programs[1], programs  # steps 3..8 reuse the programs of steps 1-2
+    assert programs[-1] == programs[1], programs  # steps 3..50 reuse the programs of steps 1-2
     assert all(math.isfinite(x) for x in losses)
     assert len(set(losses)) == steps
     assert fallback == {}
