@@ -1,15 +1,19 @@
 """The PrivateUse1 registrations: views through Meta, memory and copy ops by hand, the rest generic.
 
-Every op that has a lowering in ``tpudist.ops`` (and its in-place and ``out=`` twins) gets our
-kernel directly, so structured ops do not detour through ``.out``; anything else reaches the same
-kernel through the PrivateUse1 fallback (custom namespaces included: a lowering registered later by
-``tpudist.kernels`` works without re-registration).
+Every op that has a lowering in ``tpudist.ops`` (and its in-place and ``out=`` twins), of any
+namespace, gets our kernel directly: structured ops do not detour through ``.out`` and a
+``torch.library.custom_op`` runs its lowering, not its Python body. Lowerings registered after the
+install (``tpudist.kernels``) are registered as they arrive; anything else reaches the same kernel
+through the PrivateUse1 fallback.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
+import jax
+import jax.numpy as jnp
 import torch
 
 import tpudist.ops as tops
@@ -110,10 +114,6 @@ def resize_(x, size, *, memory_format=None):
     torch's resize_ kernels grow the storage through an allocator a Python backend cannot provide;
     swapping the TensorImpl's storage and geometry (``set_data``, no dispatch) does the same here.
     """
-    import math
-
-    import jax.numpy as jnp
-
     size = tuple(int(n) for n in size)
     if size == tuple(x.shape):
         return x
@@ -126,16 +126,10 @@ def resize_(x, size, *, memory_format=None):
     fresh = core.new_tensor(size, x.dtype)
     if buf.value is not None and x.numel() and numel:
         old = core.value_of(x).reshape(-1)[:numel]
-        with jax_x64():
+        with jax.enable_x64(True):
             core.buffer_of(fresh).value = jnp.concatenate([old, jnp.zeros((numel - old.shape[0],), old.dtype)])
     x.data = fresh
     return x
-
-
-def jax_x64():
-    import jax
-
-    return jax.enable_x64(True)
 
 
 def set_source_tensor(x, source):
