@@ -82,6 +82,11 @@ DIRECT = [
     (aten._foreach_addcmul.ScalarList, ([F, P], [P, P], [F, F], [0.5, 2.0]), {}),
     (aten._foreach_addcmul.Tensor, ([F, P], [P, P], [F, F], torch.tensor([0.5, 2.0])), {}),
     (aten._foreach_pow.ScalarAndTensor, (2.0, [F, P]), {}),
+    (aten.masked_scatter_backward.default, (F, B, [3, 4]), {}),
+    (aten.replication_pad1d_backward.default, (_t(2, 3, 8), _t(2, 3, 5), [1, 2]), {}),
+    (aten.replication_pad2d_backward.default, (_t(2, 5, 6), _t(2, 3, 4), [1, 1, 1, 1]), {}),
+    (aten.replication_pad3d_backward.default, (_t(1, 4, 4, 4), _t(1, 2, 3, 2), [1, 1, 0, 1, 1, 1]), {}),
+    (aten._efficientzerotensor.default, ([2, 3],), {}),
     (prims.convert_element_type.default, (F, torch.int32), {}),
     (prims.broadcast_in_dim.default, (F[0], [3, 4], [1]), {}),
     (prims.iota.default, (5,), {"start": 2, "step": 3, "dtype": torch.int64, "device": "cpu",
@@ -283,6 +288,8 @@ def test_functional_of():
     assert functional_of(aten._foreach_add_.Scalar) == aten._foreach_add.Scalar
     assert functional_of(aten._fused_adamw_.default) == aten._fused_adamw.default
     assert functional_of(aten.add.Tensor) is None
+    assert functional_of(aten.normal_.default) == aten.normal_functional.default
+    assert functional_of(aten.bernoulli_.float) == aten.bernoulli.p
 
 
 def test_lowers_overrides_and_restores():
@@ -403,7 +410,7 @@ def test_llama_training_step_matches_cpu(dtype):
     from tpudist.training.model import ModelArgs, Transformer
 
     torch.manual_seed(0)
-    model = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16))
+    model = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=16))
     model = model.to(dtype)
     names = [n for n, _ in model.named_parameters()]
     tokens = torch.randint(0, 64, (2, 16), generator=g)

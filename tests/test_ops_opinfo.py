@@ -61,7 +61,7 @@ EXTRA = {
     "nn.functional.avg_pool2d", "nn.functional.avg_pool3d", "nn.functional.adaptive_avg_pool1d",
     "nn.functional.adaptive_avg_pool2d", "nn.functional.adaptive_avg_pool3d", "fft.fft", "fft.rfft", "fft.irfft",
     "fft.fft2", "fft.ifft", "fft.rfftn", "fft.hfft", "cdist", "nn.functional.pdist", "angle",
-    "view_as_real", "view_as_complex",
+    "view_as_real", "view_as_complex", "equal", "index_reduce",
 }
 # Ops whose values are random or uninitialised: only dtypes and shapes are compared.
 RANDOM = {"bernoulli", "rand_like", "randn_like", "randint_like", "randint", "nn.functional.dropout", "empty",

@@ -19,13 +19,13 @@ cache hit costs a few microseconds, a meta kernel 50-800.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from torch.utils._pytree import tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpudist.ops.dtypes import to_jax_dtype, to_torch_dtype
@@ -52,6 +52,21 @@ class UnsupportedOp(NotImplementedError):
 def _qualname(op) -> str:
     namespace, name = op._schema.name.split("::")  # noqa: SLF001
     return f"torch.ops.{namespace}.{name}.{op._overloadname}"  # noqa: SLF001
+
+
+def tree_map(fn, x):
+    """``fn`` over the leaves of nested lists/tuples/dicts; tuples come back as plain tuples.
+
+    (torch's pytree rebuilds ``torch.return_types`` structseqs with ``type(x)(*children)``, which
+    their constructor rejects: decompositions return them.)
+    """
+    if isinstance(x, tuple):
+        return tuple(tree_map(fn, i) for i in x)
+    if isinstance(x, list):
+        return [tree_map(fn, i) for i in x]
+    if isinstance(x, dict):
+        return {k: tree_map(fn, v) for k, v in x.items()}
+    return fn(x)
 
 
 def _is_array(x) -> bool:
@@ -143,6 +158,10 @@ def decomposition_for(op):
     return None
 
 
+_DECOMPOSING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("tpudist_ops_decomposing",
+                                                                       default=frozenset())
+
+
 def call(op, *args, **kwargs):
     """``op`` on JAX arrays: its lowering, else its decomposition; results in torch's dtypes."""
     meta = expected_outputs(op, args, kwargs)
@@ -151,13 +170,21 @@ def call(op, *args, **kwargs):
         result = lowering(*args, **kwargs)
     else:
         decomp = decomposition_for(op)
-        if decomp is None:
-            raise UnsupportedOp(op)
+        active = _DECOMPOSING.get()
+        if decomp is None or op in active:  # none, or one that calls the op itself (would recurse forever)
+            raise UnsupportedOp(op, " (its decomposition calls the op itself)" if decomp is not None else "")
+        token = _DECOMPOSING.set(active | {op})
         try:
             result = run_decomposition(decomp, args, kwargs)
+            if result is NotImplemented:  # some torch decompositions decline some arguments
+                raise UnsupportedOp(op, " (torch's decomposition declines these arguments)")
         except UnsupportedOp as missing:
+            if missing.reached is op:
+                raise
             raise UnsupportedOp(op, f" (its decomposition reached {missing.reached}, which has none)",
                                 reached=missing.reached) from missing
+        finally:
+            _DECOMPOSING.reset(token)
     return result if meta is None else _cast_like(result, meta, op)
 
 
@@ -182,8 +209,8 @@ class JaxValue(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        with JaxMode():
-            return func(*args, **(kwargs or {}))
+        # straight to the mode's handler: re-dispatching func under a new JaxMode can land here again
+        return JaxMode.__torch_dispatch__(_MODE, func, types, args, kwargs)
 
 
 def _unwrap(x):
@@ -218,6 +245,9 @@ class JaxMode(TorchDispatchMode):
                 if isinstance(view, JaxValue):
                     view.view_of = (args[0], func, args[1:], kwargs, i)
         return out
+
+
+_MODE = JaxMode()
 
 
 def _flat(x):
@@ -256,7 +286,14 @@ def _mutate(func, args, kwargs):
     for target, value in zip(flat_targets, flat_results):
         if not isinstance(target, JaxValue):
             raise UnsupportedOp(func, " (it wrote into a tensor that is not a JaxValue)")
-        target.value = jnp.broadcast_to(value, target.shape).astype(target.value.dtype)  # keeps its dtype
+        shape = tuple(target.shape)
+        if tuple(value.shape) != shape:
+            try:
+                value = jnp.broadcast_to(value, shape)
+            except ValueError:
+                raise UnsupportedOp(func, f" (it writes shape {tuple(value.shape)} into a tensor of shape {shape}: "
+                                          "torch would resize it, a JaxValue cannot)") from None
+        target.value = value.astype(target.value.dtype)  # a mutation keeps the target's dtype
         _write_back(target, func)
     returns = [by_alias.get(next(iter(r.alias_info.before_set)), None) if r.alias_info else None
                for r in schema.returns]

@@ -60,12 +60,22 @@ def lowered_ops() -> list:
     return sorted(_TABLE, key=str)
 
 
+_TWINS = {
+    torch.ops.aten.normal_.default: torch.ops.aten.normal_functional.default,
+    torch.ops.aten.bernoulli_.float: torch.ops.aten.bernoulli.p,
+}
+
+
 def functional_of(op):
     """The functional overload behind an in-place (``add_.Tensor``) or ``out=`` overload, or None.
 
     ``aten.add_.Tensor`` -> ``aten.add.Tensor``; ``aten.add.out`` -> ``aten.add.Tensor`` (the overload
-    whose schema equals the out overload's minus its out arguments).
+    whose schema equals the out overload's minus its out arguments). A few in-place ops whose
+    functional twin has another name are listed in ``_TWINS`` (``normal_`` -> ``normal_functional``).
     """
+    twin = _TWINS.get(op)
+    if twin is not None:
+        return twin
     packet_name = op._schema.name.split("::")[1]  # noqa: SLF001
     if torch.Tag.inplace in op.tags or (packet_name.endswith("_") and not packet_name.startswith("_")):
         base = getattr(torch.ops.aten, packet_name.rstrip("_"), None)

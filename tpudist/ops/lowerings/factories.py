@@ -53,7 +53,7 @@ def new_full(x, size, fill_value, *, dtype=None, **_placement):
     return jnp.full(tuple(size), fill_value, _dtype(dtype, like=x))
 
 
-@lowers(aten.empty.memory_format, aten.zeros.default)
+@lowers(aten.empty.memory_format, aten.zeros.default, aten._efficientzerotensor.default)
 def zeros(size, *, dtype=None, **_placement):
     return jnp.zeros(tuple(size), _dtype(dtype))
 

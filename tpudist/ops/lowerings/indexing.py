@@ -156,6 +156,42 @@ def index_add(x, dim, index, source, *, alpha=1):
     return x.at[tuple(idx)].add(src if alpha == 1 else src * alpha)
 
 
+@lowers(aten.index_reduce.default)
+def index_reduce(x, dim, index, source, reduce, *, include_self=True):
+    if x.dtype == jnp.bool_:
+        return index_reduce(x.astype(jnp.int8), dim, index, source.astype(jnp.int8), reduce,
+                            include_self=include_self) != 0
+    if x.ndim == 0:
+        x, source = x.reshape(1), source.reshape(1)
+        return index_reduce(x, 0, index.reshape(1), source, reduce, include_self=include_self).reshape(())
+    d = dim_of(dim, x.ndim)
+    idx = [slice(None)] * x.ndim
+    idx[d] = index
+    idx = tuple(idx)
+    src = source.astype(x.dtype)
+    if reduce == "mean":
+        ones = jnp.ones(source.shape, jnp.int64)
+        count = jnp.zeros(x.shape, jnp.int64).at[idx].add(ones) + (1 if include_self else 0)
+        total = (x if include_self else jnp.zeros_like(x)).astype(upcast(x).dtype).at[idx].add(upcast(src))
+        mean = (jnp.floor_divide(total, jnp.maximum(count, 1)) if jnp.issubdtype(x.dtype, jnp.integer)
+                else total / jnp.maximum(count, 1))
+        return jnp.where(count > 0, mean, x)
+    if not include_self:
+        fill = {"prod": 1, "amax": -jnp.inf, "amin": jnp.inf}[reduce]
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            info = jnp.iinfo(x.dtype)
+            fill = {"prod": 1, "amax": info.min, "amin": info.max}[reduce]
+        x = x.at[idx].set(jnp.asarray(fill).astype(x.dtype))
+    at = x.at[idx]
+    if reduce == "prod":
+        return at.multiply(src)
+    if reduce == "amax":
+        return at.max(src)
+    if reduce == "amin":
+        return at.min(src)
+    raise ValueError(f"reduce={reduce!r}: index_reduce takes 'prod', 'mean', 'amax' or 'amin'")
+
+
 @lowers(aten.index_copy.default)
 def index_copy(x, dim, index, source):
     if x.ndim == 0:
@@ -180,6 +216,16 @@ def masked_scatter(x, mask, source):
     positions = jnp.cumsum(mask.reshape(-1).astype(jnp.int64)) - 1
     values = source.reshape(-1)[jnp.clip(positions, 0, max(source.size - 1, 0))].reshape(x.shape)
     return jnp.where(mask, values.astype(x.dtype), x)
+
+
+@lowers(aten.masked_scatter_backward.default)
+def masked_scatter_backward(grad_output, mask, sizes):
+    """The gradient of masked_scatter's source: the masked elements of grad, in order, zero-padded."""
+    numel = int(np.prod(sizes))
+    mask = jnp.broadcast_to(mask, grad_output.shape).reshape(-1)
+    dest = jnp.where(mask, jnp.cumsum(mask.astype(jnp.int64)) - 1, numel)  # numel: dropped
+    out = jnp.zeros((numel,), grad_output.dtype).at[dest].set(grad_output.reshape(-1), mode="drop")
+    return out.reshape(tuple(sizes))
 
 
 @lowers(aten.masked_select.default)

@@ -189,3 +189,20 @@ def cdist_backward(grad, x1, x2, p, cdist):
 def pdist_backward(grad, x, p, pdist):
     _, vjp = jax.vjp(lambda a: pdist_forward(a, p), upcast(x))
     return vjp(upcast(grad))[0]
+
+
+# -- padding backwards: the vjp of the forward, which runs through the table (its decomposition) ------
+
+def _replication_pad_backward(forward):
+    def lowering(grad, x, padding):
+        from tpudist.ops.interpret import call
+
+        xf = upcast(to_float(x))
+        _, vjp = jax.vjp(lambda v: call(forward, v, padding), xf)
+        return vjp(upcast(grad).astype(xf.dtype))[0]
+    return lowering
+
+
+for _n in (1, 2, 3):
+    lowers(getattr(aten, f"replication_pad{_n}d_backward").default)(
+        _replication_pad_backward(getattr(aten, f"replication_pad{_n}d").default))

@@ -25,7 +25,8 @@ def _float_dtype(dtype, like=None):
 
 
 def _uniform(shape, dtype, low=0.0, high=1.0):
-    draw_dtype = jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype
+    floating = jnp.issubdtype(dtype, jnp.floating)
+    draw_dtype = dtype if floating and jnp.dtype(dtype).itemsize >= 4 else jnp.float32
     return jax.random.uniform(next_key(), tuple(shape), draw_dtype, low, high)
 
 

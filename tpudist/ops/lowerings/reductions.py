@@ -192,6 +192,18 @@ def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     return jnp.sum(x ** ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
 
 
+@lowers(aten.equal.default)
+def equal(x, y):
+    """torch.equal's Python bool: needs concrete arrays (a sync point, like ``item()``)."""
+    if x.shape != y.shape:
+        return False
+    same = jnp.array_equal(x, y)
+    if isinstance(same, jax.core.Tracer):
+        raise NotImplementedError("aten.equal returns a Python bool, which needs concrete values: it cannot run "
+                                  "inside jax.jit (use (a == b).all() to stay on the device)")
+    return bool(same)
+
+
 # -- scans ------------------------------------------------------------------------------------------
 
 @lowers(aten.cumsum.default)
