@@ -137,13 +137,7 @@ class GraphCollectives:
             return fn(None, node, *args, **kwargs)
         index = _GROUP_ARG[name]
         group = node.args[index] if len(node.args) > index else node.kwargs["group_name"]
-        return fn(_Axis(self.axis_of[group], self.size_of[group], group, self.grid_ranks(group)), node,
-                  *args, **kwargs)
-
-    def grid_ranks(self, group_name: str) -> tuple:
-        import torch.distributed.distributed_c10d as c10d
-
-        return tuple(c10d._resolve_process_group(group_name).global_ranks)  # noqa: SLF001
+        return fn(_Axis(self.axis_of[group], self.size_of[group], group), node, *args, **kwargs)
 
     def wrap(self, program, num_inputs: int):
         """``program`` (on one rank's blocks) as a shard_map over the group: every input and output
@@ -266,12 +260,11 @@ def _grid(group_ranks: list[tuple], me: int, names: list) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class _Axis:
-    """What a lowering needs of its group: the mesh axis, its size, the group's name and ranks."""
+    """What a lowering needs of its group: the mesh axis, its size and the group's name."""
 
     axis: str
     size: int
     group_name: str
-    ranks: tuple
 
 
 # -- lowerings: one small function per functional collective -----------------------------------------
