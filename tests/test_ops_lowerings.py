@@ -434,4 +434,6 @@ def test_llama_training_step_matches_cpu(dtype):
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     assert compare(expected[0], actual[0], **tol) is None
     assert compare(expected[1], actual[1], **tol) is None
-    assert compare(expected[2], actual[2], **tol) is None
+    # Adam's first step moves each parameter by ~lr * g / (|g| + eps): a gradient within 1e-5 of torch's
+    # but near eps moves it differently; 1e-4 is 1% of lr
+    assert compare(expected[2], actual[2], **(tol if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4))) is None

@@ -287,12 +287,9 @@ def _mutate(func, args, kwargs):
         if not isinstance(target, JaxValue):
             raise UnsupportedOp(func, " (it wrote into a tensor that is not a JaxValue)")
         shape = tuple(target.shape)
-        if tuple(value.shape) != shape:
-            try:
-                value = jnp.broadcast_to(value, shape)
-            except ValueError:
-                raise UnsupportedOp(func, f" (it writes shape {tuple(value.shape)} into a tensor of shape {shape}: "
-                                          "torch would resize it, a JaxValue cannot)") from None
+        if tuple(value.shape) != shape:  # squeeze_, t_, resize_, out= resizing: metadata a JaxValue cannot change
+            raise UnsupportedOp(func, f" (it changes a tensor's shape from {shape} to {tuple(value.shape)} in place, "
+                                      "which a JaxValue cannot)")
         target.value = value.astype(target.value.dtype)  # a mutation keeps the target's dtype
         _write_back(target, func)
     returns = [by_alias.get(next(iter(r.alias_info.before_set)), None) if r.alias_info else None

@@ -52,6 +52,8 @@ def index_put(x, indices, values, accumulate=False):
         if values.ndim <= x.ndim - indices[0].ndim or values.size == 1:
             return jnp.where(mask, values.reshape(values.shape[-max(0, x.ndim - indices[0].ndim):] if values.ndim else ()), x)
     index = _index_tuple(indices, "aten.index_put")
+    if accumulate and x.dtype == jnp.bool_:  # accumulating bools is a logical or
+        return x.astype(jnp.int8).at[index].add(values.astype(jnp.int8)) != 0
     return x.at[index].add(values) if accumulate else x.at[index].set(values)
 
 

@@ -36,7 +36,7 @@ def bernoulli(p, *, generator=None):
 
 
 @lowers(aten.bernoulli.p)
-def bernoulli_p(x, p, *, generator=None):
+def bernoulli_p(x, p=0.5, *, generator=None):
     return jax.random.bernoulli(next_key(), p, x.shape)
 
 
