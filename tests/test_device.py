@@ -651,4 +651,5 @@ def test_second_process_compiles_fused_steps_from_the_persistent_cache(tmp_path)
     cold, warm = runs
     assert cold["programs"] == warm["programs"] == 2
     assert warm.get("programs_from_disk") == 2 and "programs_from_disk" not in cold
-    assert cold["compile_s"] >= 10 * warm["compile_s"], (cold["compile_s"], warm["compile_s"])
+    # No timing assertion (tests do not time things; a warm JAX cache on the machine made the
+    # "cold" run fast): the warm process loading both programs from disk is the check.
