@@ -145,16 +145,8 @@ def flatten_args(args, kwargs):
     torch's pytree is general but costs ~30 us per call; aten arguments nest at most one level.
     """
     leaves, struct = [], []
-    for a in args:
-        if type(a) in (list, tuple):
-            struct.append((type(a), len(a)))
-            leaves.extend(a)
-        else:
-            struct.append(None)
-            leaves.append(a)
     names = tuple(kwargs)
-    for k in names:
-        a = kwargs[k]
+    for a in (*args, *(kwargs[k] for k in names)):
         if type(a) in (list, tuple):
             struct.append((type(a), len(a)))
             leaves.extend(a)

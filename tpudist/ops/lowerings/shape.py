@@ -139,14 +139,20 @@ def copy(x, src, non_blocking=False):
     return jnp.broadcast_to(jnp.asarray(src).astype(x.dtype), x.shape)
 
 
-@lowers(aten.as_strided.default, aten.as_strided_copy.default)
-def as_strided(x, size, stride, storage_offset=None):
-    flat = x.reshape(-1)
+def _strided_index(size, stride, storage_offset):
+    """The flat input position of every element of an as_strided view."""
     index = np.full(tuple(size), storage_offset or 0, dtype=np.int64)
     for d, (n, s) in enumerate(zip(size, stride)):
         shape = [1] * len(size)
         shape[d] = n
         index = index + (np.arange(n, dtype=np.int64) * s).reshape(shape)
+    return index
+
+
+@lowers(aten.as_strided.default, aten.as_strided_copy.default)
+def as_strided(x, size, stride, storage_offset=None):
+    flat = x.reshape(-1)
+    index = _strided_index(size, stride, storage_offset)
     if index.size and (index.min() < 0 or index.max() >= max(flat.size, 1)):
         raise RuntimeError(f"as_strided: size={list(size)} stride={list(stride)} storage_offset={storage_offset} "
                            f"reaches outside the {flat.size} elements of its input")
@@ -156,11 +162,7 @@ def as_strided(x, size, stride, storage_offset=None):
 @lowers(aten.as_strided_scatter.default)
 def as_strided_scatter(x, src, size, stride, storage_offset=None):
     flat = x.reshape(-1)
-    index = np.full(tuple(size), storage_offset or 0, dtype=np.int64)
-    for d, (n, s) in enumerate(zip(size, stride)):
-        shape = [1] * len(size)
-        shape[d] = n
-        index = index + (np.arange(n, dtype=np.int64) * s).reshape(shape)
+    index = _strided_index(size, stride, storage_offset)
     return flat.at[index].set(src.astype(x.dtype)).reshape(x.shape)
 
 
