@@ -457,6 +457,21 @@ def run_in_tpu_world():
     return str(_runtime.device()), str(runtime.current().local_device), x.cpu().tolist()
 
 
+def run_fused_disk_cache_per_device():
+    """One fused graph, structurally identical on every rank (the rank enters as a float input)."""
+    import torch.distributed as dist
+
+    import tpudist.device  # noqa: F401
+    from tpudist.jax_cache import cache_dir
+
+    with torch.tpu.eager_mode("fused"):
+        y = (torch.arange(4.0, device="tpu") + float(dist.get_rank())) * 3.0
+        values = y.cpu().tolist()
+    dist.barrier()
+    files = sorted(p.name for p in (cache_dir() / "tpudist_fused").glob("*.jaxexport"))
+    return values, files
+
+
 def run_import_state():
     """In a fresh process: importing the device renames PrivateUse1 but starts no JAX backend."""
     import tpudist.device  # noqa: F401
@@ -497,12 +512,18 @@ def test_touching_device_before_process_group_is_a_clear_error():
     assert "WORLD_SIZE=2" in result.stderr
 
 
-def test_each_rank_of_a_tpu_world_uses_its_own_chip():
-    with RankPool(2, backend="tpu", timeout=120) as pool:
+def test_each_rank_of_a_tpu_world_uses_its_own_chip(tmp_path):
+    has_export = __import__("importlib.util").util.find_spec("flatbuffers") is not None
+    with RankPool(2, backend="tpu", timeout=120, env={"TPUDIST_CACHE_DIR": str(tmp_path)}) as pool:
         results = pool.run(run_in_tpu_world)
+        fused = pool.run(run_fused_disk_cache_per_device)
     devices = [d for d, _, _ in results]
     assert [d for _, d, _ in results] == devices and len(set(devices)) == 2
     assert [v for _, _, v in results] == [[0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]]
+    assert [v for v, _ in fused] == [[0.0, 3.0, 6.0, 9.0], [3.0, 6.0, 9.0, 12.0]]
+    if has_export:  # the fused disk cache is on: one program per device, never rank 0's run by rank 1
+        files = fused[0][1]
+        assert fused[1][1] == files and len(files) == 2, files
 
 
 @pytest.mark.parametrize("mode", MODES)

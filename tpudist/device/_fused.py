@@ -135,10 +135,15 @@ def _source_fingerprint() -> str:
 
 
 def _disk_key(g: Graph, live) -> str:
+    """The file name of a graph's program. The emulated ranks of one machine share the cache folder,
+    so the key names the device (its global id and process) as well as the platform: a rank never
+    runs a program another rank's device traced."""
     import jaxlib
     import torch
 
-    parts = (jax.__version__, jaxlib.__version__, torch.__version__, _source_fingerprint(), str(rt.device().platform), rt.device().device_kind,
+    device = rt.device()
+    parts = (jax.__version__, jaxlib.__version__, torch.__version__, _source_fingerprint(), str(device.platform),
+             device.device_kind, device.id, device.process_index,
              os.environ.get("XLA_FLAGS", ""), tuple(k.stable_id for k, _, _ in g.nodes),
              tuple(refs for _, refs, _ in g.nodes), tuple(live),
              tuple((tuple(a.shape), str(a.dtype)) for a in g.inputs), len(g.scalars))
