@@ -143,6 +143,48 @@ def test_boundary_does_not_copy_aligned_inputs():
     t.untyped_storage().resize_(0)  # what FSDP2 does to freed parameters: Tensor.numpy() would forbid it
 
 
+def test_results_packed_per_dtype_except_the_users_outputs(trained):
+    """Gradients come back in one buffer (one DLPack hand-over per program); the loss, which users
+    keep, has a storage of its own so it does not hold the step's saved activations alive."""
+    _, _, eager, model = trained[torch.float32]
+    tokens = torch.randint(0, ARGS["vocab_size"], (BATCH, SEQ))
+    step = torch.compile(_loss, backend="tpu", fullgraph=True, dynamic=False)
+    loss = step(model, tokens, tokens)
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    storages = {g.untyped_storage().data_ptr() for g in grads}
+    assert len(storages) == 1, f"{len(storages)} gradient buffers, want 1"
+    assert all(g.is_contiguous() and g.data_ptr() % 64 == 0 for g in grads)
+    assert loss.untyped_storage().nbytes() == loss.element_size()  # its own 4 bytes, not a pack
+    ref = _loss(eager, tokens, tokens)
+    ref.backward()
+    for g, p in zip(grads, eager.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+    model.zero_grad(set_to_none=True)
+    eager.zero_grad(set_to_none=True)
+
+
+def test_alias_cache_follows_the_memory_not_the_tensor():
+    """A cached zero-copy input array is reused for whatever tensor lies at that address: a new
+    tensor in freed memory, or one written in place, gives this call's values, never stale ones."""
+    from tpudist.compile import boundary
+
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="tpu", fullgraph=True, dynamic=False)
+    x = torch.zeros(256, 64)
+    torch.testing.assert_close(compiled(x), x * 2 + 1)
+    hits = len(boundary._ALIASES)  # noqa: SLF001
+    x.copy_(torch.randn(256, 64))  # same memory, new values
+    torch.testing.assert_close(compiled(x), x * 2 + 1)
+    assert len(boundary._ALIASES) == hits  # noqa: SLF001  (the same array served the second call)
+    address = x.data_ptr()
+    del x
+    for _ in range(4):  # the allocator hands the freed block back for a tensor of the same size
+        y = torch.randn(256, 64)
+        torch.testing.assert_close(compiled(y), y * 2 + 1)
+        if y.data_ptr() == address:
+            break
+
+
 @torch.library.custom_op("tpudist_test::mystery", mutates_args=())
 def mystery(x: torch.Tensor) -> torch.Tensor:
     return x * 2 + 1

@@ -60,15 +60,33 @@ def numpy_view(t: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     return (arr if raw_dtype is xla_dtype else arr.view(xla_dtype)), t
 
 
+# Zero-copy arrays by (address, shape, dtype, device): a jax.Array that aliases a tensor's memory
+# stays valid for whatever tensor of that layout occupies the address later (it holds no data of its
+# own), so parameters and reused activation buffers enter a program without a new device_put
+# (17-45 us each, measured; a lookup is ~1 us). Only arrays XLA really aliased are kept.
+_ALIASES: dict[tuple, Any] = {}
+_ALIASES_MAX = 4096
+
+
 def to_jax(tensors: list[Any], avals: list[Any], sharding: Any, device: Any, keep: list[Any]) -> list[Any]:
-    """Each tensor as a ``jax.Array`` on ``device``; temporaries it needed go into ``keep``."""
+    """Each tensor as a ``jax.Array`` on ``device`` (a single-device sharding); temporaries it needed
+    go into ``keep``. The caller keeps ``tensors`` alive until the program has read them."""
     from jax._src.lib import xla_client
 
     out = []
     for t, aval in zip(tensors, avals):
-        arr, owner = numpy_view(t.detach())
-        keep.append(owner)
-        out.append(xla_client.batched_device_put(aval, sharding, [arr], [device], True))
+        plain = t.is_contiguous() and not (t.is_conj() or t.is_neg()) and t.numel() > 0
+        key = (t.data_ptr(), aval.shape, aval.dtype, device.id) if plain else None
+        arr = _ALIASES.get(key) if plain else None
+        if arr is None:
+            view, owner = numpy_view(t.detach())
+            keep.append(owner)
+            arr = xla_client.batched_device_put(aval, sharding, [view], [device], True)
+            if plain and arr.unsafe_buffer_pointer() == key[0]:
+                if len(_ALIASES) >= _ALIASES_MAX:
+                    _ALIASES.clear()
+                _ALIASES[key] = arr
+        out.append(arr)
     return out
 
 
@@ -83,6 +101,31 @@ def to_torch(array: Any, dtype: torch.dtype) -> torch.Tensor:
         host = np.asarray(array)
         raw_dtype = _NUMPY[dtype][0]
         return torch.from_numpy(host.view(raw_dtype).copy()).view(dtype)
+
+
+def packed_outputs(flat: torch.Tensor, layout: list[tuple[int, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """Tensors of their own over one flat result buffer: ``(offset, shape)`` each, contiguous.
+
+    A program returns the results of one dtype as one buffer (one DLPack hand-over and one
+    deleter instead of one per result); each result is a tensor whose storage is that buffer (not
+    a view: autograd and FSDP2 treat it as a fresh tensor)."""
+    storage = flat.untyped_storage()
+    base = flat.storage_offset()
+    out = []
+    with torch.no_grad():
+        for offset, shape in layout:
+            t = torch.empty(0, dtype=flat.dtype)
+            t.set_(storage, base + offset, shape, _contiguous_strides(shape))
+            out.append(t)
+    return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def drop_leading(t: torch.Tensor, n: int = 1) -> torch.Tensor:
