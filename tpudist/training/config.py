@@ -76,11 +76,25 @@ class TrainConfig:
     n_heads: int = option(4, "attention heads (must be divisible by the tp degree)")
     n_kv_heads: int = option(2, "key/value heads of grouped-query attention (divisible by tp)")
     ffn_hidden: int = option(0, "SwiGLU hidden width; 0 picks ~8/3*dim rounded up to 16")
+    kernels: str = option("torch", "torch: RMSNorm and attention as torch ops; jax: as tpudist.kernels.library "
+                                   "JAX kernels (same results)", ("torch", "jax"))
+    # device
+    device: str = option("auto", "where the model computes: tpu (the tpudist \"tpu\" device, every op an XLA "
+                                 "program), cpu (torch CPU eager; only collectives go through XLA), or auto "
+                                 "(tpu on real TPU chips, cpu when chips are emulated by CPU processes)",
+                         ("auto", "cpu", "tpu"))
+    eager_mode: str = option("fused", "--device tpu: debug (each op run and checked at once), strict (each op "
+                                      "its own cached program) or fused (a step's ops fused into one cached "
+                                      "program at each sync point)", ("debug", "strict", "fused"))
     # data
     seq_len: int = option(32, "tokens per sequence")
     global_batch: int = option(16, "sequences per step over all data-parallel ranks")
     data_seed: int = option(0, "seed of the Markov transition table and of every step's batch")
     branching: int = option(4, "likely successors per token in the Markov chain (loss floor ~ln of it)")
+    variable_length: bool = option(False, "each step's sequences have a length between seq_len/8 and seq_len, "
+                                          "padded on the right to a bucket (targets -100 on padding)")
+    bucket_multiple: int = option(128, "--variable-length: bucket sizes are multiples of this (at most 8 "
+                                       "buckets up to seq_len; 128 fills TPU tiles)")
     # optimisation
     steps: int = option(150, "total optimizer steps (a resumed run stops at the same step)")
     lr: float = option(1e-2, "peak AdamW learning rate")
@@ -116,10 +130,46 @@ class TrainConfig:
             raise ValueError(f"param_dtype={self.param_dtype!r} must be 'float32' or 'bfloat16'")
         if self.mesh and len(self.mesh) != 3:
             raise ValueError(f"mesh={self.mesh} must have 3 sizes: dp_replicate,dp_shard,tp (e.g. 1,2,2)")
+        if self.device not in ("auto", "cpu", "tpu"):
+            raise ValueError(f"device={self.device!r} must be 'auto', 'cpu' or 'tpu'")
+        if self.eager_mode not in ("debug", "strict", "fused"):
+            raise ValueError(f"eager_mode={self.eager_mode!r} must be 'debug', 'strict' or 'fused'")
+        if self.bucket_multiple < 1:
+            raise ValueError(f"bucket_multiple={self.bucket_multiple} must be >= 1")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume=True needs checkpoint_dir: pass --checkpoint-dir DIR")
 
     def model_args(self) -> ModelArgs:
-        """The decoder shape these options describe (``max_seq_len`` = ``seq_len``)."""
+        """The decoder shape these options describe (``max_seq_len``: ``seq_len``, or the largest bucket)."""
+        max_seq_len = self.buckets().sizes[-1] if self.variable_length else self.seq_len
         return ModelArgs(vocab_size=self.vocab_size, dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
-                         n_kv_heads=self.n_kv_heads, ffn_hidden=self.ffn_hidden, max_seq_len=self.seq_len)
+                         n_kv_heads=self.n_kv_heads, ffn_hidden=self.ffn_hidden, max_seq_len=max_seq_len,
+                         kernels=self.kernels)
+
+    def buckets(self):
+        """The ``tpudist.device.buckets.Buckets`` that ``--variable-length`` pads to."""
+        return load_buckets().Buckets(self.seq_len, multiple=self.bucket_multiple)
+
+
+def load_buckets():
+    """``tpudist.device.buckets``, without installing the "tpu" device when it is not installed yet.
+
+    Importing any ``tpudist.device`` submodule runs the package's ``__init__``, which renames torch's
+    PrivateUse1 backend for the whole process (the device opt-in). ``buckets.py`` is plain torch, so a
+    ``--device cpu`` run loads it as a standalone module and stays opted out.
+    """
+    import importlib.util
+    import sys
+
+    if "tpudist.device" in sys.modules:
+        from tpudist.device import buckets
+
+        return buckets
+    module = sys.modules.get("_tpudist_buckets")
+    if module is None:
+        spec = importlib.util.find_spec("tpudist")
+        path = next(iter(spec.submodule_search_locations)) + "/device/buckets.py"
+        spec = importlib.util.spec_from_file_location("_tpudist_buckets", path)
+        module = sys.modules["_tpudist_buckets"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # dataclasses look their module up in sys.modules
+    return module

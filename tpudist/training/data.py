@@ -9,6 +9,7 @@ data an uninterrupted run would have seen, with nothing lost or repeated.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import torch
@@ -65,3 +66,11 @@ class MarkovTask:
             tokens[:, t + 1] = torch.multinomial(table[tokens[:, t]], 1, generator=gen).squeeze(1)
         local = tokens[shard::num_shards]
         return local[:, :-1].contiguous(), local[:, 1:].contiguous()
+
+    def length_of(self, step: int) -> int:
+        """The sequence length of ``step`` in a variable-length run: uniform in ``[seq_len/8, seq_len]``.
+
+        A pure function of ``(seed, step)``, like the batch, and the same on every rank.
+        """
+        low = max(1, self.seq_len // 8)
+        return random.Random(f"{self.seed}:{step}:length").randint(low, self.seq_len)

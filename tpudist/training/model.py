@@ -4,6 +4,12 @@ The layout follows torchtitan's ``models/llama`` so that its parallelisation pla
 are: ``layers[i].attention.{wq,wk,wv,wo}`` and ``layers[i].feed_forward.{w1,w2,w3}`` are the
 linear layers tensor parallelism splits. Attention reshapes with ``-1`` heads, so the same code runs
 on a full module and on a tensor-parallel shard holding ``n_heads / tp`` heads.
+
+``kernels="jax"`` computes RMSNorm and attention with ``tpudist.kernels.library`` (one JAX kernel each,
+on the "tpu" device and on CPU tensors alike) instead of torch ops; the results are the same.
+``causal=False`` makes attention bidirectional; a right-padded batch then needs its key-padding mask
+(``Transformer.forward(tokens, key_padding_mask)``), which a causal model does not: with padding on
+the right, real positions never attend to a later padding position.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+KERNELS = ("torch", "jax")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +42,12 @@ class ModelArgs:
     max_seq_len: int = 64
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    causal: bool = True
+    kernels: str = "torch"  # "torch": torch ops; "jax": tpudist.kernels.library's rms_norm and attention
 
     def __post_init__(self) -> None:
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels={self.kernels!r} must be one of {', '.join(KERNELS)}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -63,12 +75,20 @@ class ModelArgs:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels: str = "torch"):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels == "jax":
+            from tpudist.kernels.library import rms_norm
+
+            # tpudist.kernels reads CPU tensors through Tensor.numpy(), which makes a storage
+            # non-resizable for good: FSDP2 could no longer free the unsharded weight. Hand it a copy.
+            weight = self.weight.clone() if self.weight.device.type == "cpu" else self.weight
+            return rms_norm(x, weight, self.eps)
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
@@ -93,20 +113,33 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         self.num_kv_groups = args.n_heads // args.n_kv_heads
+        self.causal, self.kernels = args.causal, args.kernels
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = apply_rope(self.wq(x).view(batch, seq, -1, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(batch, seq, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         k = k.repeat_interleave(self.num_kv_groups, dim=2)
         v = v.repeat_interleave(self.num_kv_groups, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # causal + right padding: real queries never see the padding keys after them, so no mask
+        mask = None if self.causal or key_padding_mask is None else key_padding_mask[:, None, None, :]
+        if self.kernels == "jax":
+            if mask is not None:
+                raise ValueError("kernels='jax' has no attention mask (tpudist.kernels.library.attention is "
+                                 "causal or full): a bidirectional model with a key-padding mask needs "
+                                 "kernels='torch'")
+            from tpudist.kernels.library import attention
+
+            out = attention(q, k, v, causal=self.causal)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -124,13 +157,14 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.kernels)
         self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.kernels)
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, key_padding_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -148,7 +182,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.kernels)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -165,12 +199,14 @@ class Transformer(nn.Module):
                 nn.init.trunc_normal_(linear.weight, std=depth_std)
         nn.init.trunc_normal_(self.output.weight, std=self.args.dim ** -0.5)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``tokens``; ``key_padding_mask`` (batch, seq), True at real tokens, is used by a
+        bidirectional model only (see the module docstring)."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.args.max_seq_len}")
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
         for block in self.layers:
-            h = block(h, cos, sin)
+            h = block(h, cos, sin) if key_padding_mask is None else block(h, cos, sin, key_padding_mask)
         return self.output(self.norm(h)).float()

@@ -46,8 +46,11 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
 
-def build_mesh(dims: ParallelDims):
+def build_mesh(dims: ParallelDims, device_type: str = "cpu"):
     """A ``DeviceMesh`` over the axes of ``dims`` larger than 1 (``dp_shard`` always kept).
+
+    ``device_type`` is where the model's tensors live ("tpu" for the tpudist device): FSDP2 moves
+    parameters to its mesh's device.
 
     Ranks are laid onto the chips of the slice (``TPUDIST_TOPOLOGY``, or the smallest that fits)
     by ``tpudist.mesh``: axes ordered by increasing traffic (dp_replicate, dp_shard, tp) so that
@@ -61,7 +64,7 @@ def build_mesh(dims: ParallelDims):
     names = tuple(name for name, size in zip(MESH_AXES, dims.sizes) if size > 1 or name == "dp_shard")
     shape = tuple(getattr(dims, name) for name in names)
     ranks = mesh_layout(shape, names, dist.get_world_size()).rank_array
-    return DeviceMesh("cpu", torch.as_tensor(ranks), mesh_dim_names=names)
+    return DeviceMesh(device_type, torch.as_tensor(ranks), mesh_dim_names=names)
 
 
 def mesh_layout(shape: tuple[int, ...], names: tuple[str, ...], world_size: int):
