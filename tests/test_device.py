@@ -403,6 +403,53 @@ def run_buckets():
     return programs, padded[:3], unpadded, bidir, buckets.sizes
 
 
+def _loss_and_grads(model, tokens, targets, mask=None, device="tpu"):
+    import torch.nn.functional as F
+
+    model.zero_grad()
+    logits = model(tokens.to(device), None if mask is None else mask.to(device))
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.to(device).flatten())  # ignore_index=-100
+    loss.backward()
+    return loss.item(), [p.grad.cpu() for p in model.parameters()]
+
+
+def run_padded_transformer():
+    """The Llama model (rope, grouped-query attention) on a right-padded batch, forward and backward."""
+    import dataclasses
+
+    import tpudist.device  # noqa: F401
+    from tpudist.device.buckets import Buckets, pad_batch
+    from tpudist.training.model import Transformer
+
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randint(0, 64, (2, 11), generator=g), torch.randint(0, 64, (2, 11), generator=g)
+    batch = pad_batch(x, y, Buckets(16, multiple=8))  # 11 -> 16
+    out = {"padded_length": batch.tokens.shape[1]}
+    for causal in (True, False):
+        torch.manual_seed(0)
+        model = Transformer(dataclasses.replace(_model_args(), causal=causal)).to("tpu")
+        out[causal] = (_loss_and_grads(model, x, y),
+                       _loss_and_grads(model, batch.tokens, batch.targets, batch.key_padding_mask),
+                       _loss_and_grads(model, batch.tokens, batch.targets))  # padded, no mask
+    return out
+
+
+def run_jax_kernels():
+    """The model with tpudist.kernels.library's rms_norm and attention on tpu, against torch ops on CPU."""
+    import dataclasses
+
+    import tpudist.device  # noqa: F401
+    from tpudist.training.model import Transformer
+
+    torch.manual_seed(0)
+    cpu = Transformer(_model_args())
+    tpu = Transformer(dataclasses.replace(_model_args(), kernels="jax"))
+    tpu.load_state_dict(cpu.state_dict())
+    tpu.to("tpu")
+    x, y = _batches(1, seed=5)[0]
+    return _loss_and_grads(cpu, x, y, device="cpu"), _loss_and_grads(tpu, x, y)
+
+
 def run_fsdp2_one_rank(steps):
     """FSDP2 on tpu tensors over a 1-rank threaded group (torch's test PG; the "tpu" PG is separate)."""
     import torch.distributed as dist
@@ -636,6 +683,29 @@ def test_buckets_bound_programs_and_keep_results(dev):
     for p, u in zip(padded, unpadded):
         assert abs(p - u) <= 1e-6 * abs(u), (p, u)
     assert bidir <= 1e-6
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def test_padded_transformer_equals_unpadded(dev):
+    out = dev(run_padded_transformer)
+    assert out["padded_length"] == 16
+    for causal in (True, False):
+        (ref_loss, ref_grads), (loss, grads), (unmasked_loss, _) = out[causal]
+        assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (causal, loss, ref_loss)
+        assert _max_diff(grads, ref_grads) <= 1e-6, (causal, _max_diff(grads, ref_grads))
+        if causal:  # right padding comes after every real position: the mask changes nothing
+            assert unmasked_loss == loss
+        else:  # bidirectional attention without the mask attends to padding: another loss
+            assert abs(unmasked_loss - ref_loss) > 1e-4 * abs(ref_loss), (unmasked_loss, ref_loss)
+
+
+def test_jax_kernels_model_equals_torch_ops(dev):
+    (ref_loss, ref_grads), (loss, grads) = dev(run_jax_kernels)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    assert _max_diff(grads, ref_grads) <= 1e-5, _max_diff(grads, ref_grads)
 
 
 def test_fsdp2_frees_and_reallocates_tpu_storages(dev):
