@@ -24,9 +24,7 @@ import tpudist.ops
 from tpudist.kernels import KernelGradientError, KernelInputError, custom_jax_kernel
 from tpudist.training.model import RMSNorm
 
-_LIBRARY_PRELOADED = "tpudist.kernels.library" in sys.modules  # then another module relies on its lowerings
-from tpudist.kernels.library import (KERNELS, attention, attention_kernel, attention_pallas_kernel,  # noqa: E402
-                                     rms_norm, rms_norm_kernel)
+from tpudist.kernels.library import KERNELS, attention, attention_kernel, attention_pallas_kernel, rms_norm, rms_norm_kernel
 
 TOL = 1e-5
 EPS = 1e-5
@@ -86,33 +84,6 @@ def add_big(x, *, big: int = 2**40):
 
 
 TEST_KERNELS = (*KERNELS, pallas_square, pallas_square_no_grad, moments, add_big)
-_OWN_KERNELS = TEST_KERNELS[len(KERNELS):] if _LIBRARY_PRELOADED else TEST_KERNELS
-
-
-def _unregister_lowerings():
-    """Takes these kernels' lowerings out of the tpudist.ops table.
-
-    tests/test_ops_opinfo.py::test_every_lowering_is_exercised fails on any registered lowering its
-    OpInfo samples do not reach, and pytest imports every test module before running any test: the
-    table holds these kernels only while this module's tests run (until that test counts aten ops only).
-    The library's stay if a module imported it before this one.
-    """
-    from tpudist.ops import registry
-
-    for kernel in _OWN_KERNELS:
-        for op in (kernel.op, kernel.backward_op):
-            registry._TABLE.pop(op, None)  # noqa: SLF001
-
-
-_unregister_lowerings()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _lowerings_registered():
-    for kernel in TEST_KERNELS:
-        kernel.register_lowerings()
-    yield
-    _unregister_lowerings()
 
 
 # -- opcheck ------------------------------------------------------------------------------------------

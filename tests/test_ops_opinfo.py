@@ -209,12 +209,18 @@ def test_opinfo(index):
         pytest.skip(f"reaches an op with no lowering: {outcomes[0].detail}")
 
 
+def _aten_lowerings() -> set:
+    """The table's aten and prims lowerings (custom kernels' lowerings are their own tests' business)."""
+    return {op for op in lowered_ops() if op.namespace in ("aten", "prims")}
+
+
 def test_every_lowering_is_exercised():
     started = time.perf_counter()
     outcomes = [run_opinfo(i) for i in range(len(SELECTED))]
     import test_ops_lowerings  # the hand-written cases for ops no OpInfo reaches
 
-    if set(lowered_ops()) - RECORDER.seen - test_ops_lowerings.RECORDER.seen:
+    table = _aten_lowerings()
+    if table - RECORDER.seen - test_ops_lowerings.RECORDER.seen:
         # its tests did not run in this process (-k, xdist): run its cases here
         with recording(test_ops_lowerings.RECORDER):
             test_ops_lowerings.run_all_cases()
@@ -223,9 +229,9 @@ def test_every_lowering_is_exercised():
     reasons = collections.Counter(o.detail for per_op in outcomes for o in per_op if o.status == "unsupported")
     ops_passing = sum(1 for per_op in outcomes if per_op and all(o.status in ("pass", "reference_error",
                                                                                "no_samples") for o in per_op))
-    missing = sorted(str(op) for op in set(lowered_ops()) - RECORDER.seen)
+    missing = sorted(str(op) for op in table - RECORDER.seen)
     print(f"\nOpInfo coverage: {len(SELECTED)} OpInfos, {ops_passing} with every sample passing; "
-          f"samples: {dict(counts)}; lowerings exercised {len(RECORDER.seen)}/{len(lowered_ops())} "
+          f"samples: {dict(counts)}; lowerings exercised {len(RECORDER.seen & table)}/{len(table)} "
           f"({time.perf_counter() - started:.0f} s for what had not run yet)")
     for reason, n in reasons.most_common():
         print(f"  skipped {n:3d} samples: reaches {reason} (no lowering)")

@@ -208,14 +208,6 @@ def register_lowered(op) -> None:
             _impl(twin, functools.partial(execute_kernel, twin))
 
 
-class _NotifyingTable(dict):
-    """tpudist.ops' table, telling the device about lowerings registered after it was installed."""
-
-    def __setitem__(self, op, fn):
-        super().__setitem__(op, fn)
-        register_lowered(op)
-
-
 def register() -> None:
     """Install the PrivateUse1 kernels (once, from ``tpudist.device``'s import)."""
     from tpudist.ops import registry
@@ -228,7 +220,5 @@ def register() -> None:
         _impl(op, functools.partial(view_kernel, op))
     for op in tops.lowered_ops():
         register_lowered(op)
-    table = getattr(registry, "_TABLE", None)
-    if isinstance(table, dict) and not isinstance(table, _NotifyingTable):
-        registry._TABLE = _NotifyingTable(table)  # noqa: SLF001  (later lowerings reach the device too)
+    registry.on_register(register_lowered)  # lowerings registered later (custom kernels) reach the device too
     fallback_lib.fallback(generic_kernel, "PrivateUse1")

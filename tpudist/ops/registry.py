@@ -45,9 +45,21 @@ def lowers(*ops) -> Callable[[Lowering], Lowering]:
     def register(fn: Lowering) -> Lowering:
         for overload in overloads:
             _TABLE[overload] = fn
+            for listener in _LISTENERS:
+                listener(overload)
         return fn
 
     return register
+
+
+_LISTENERS: list[Callable[[torch._ops.OpOverload], None]] = []  # noqa: SLF001
+
+
+def on_register(listener: Callable[[torch._ops.OpOverload], None]) -> None:
+    """Call ``listener(overload)`` for every lowering registered from now on (the "tpu" device
+    installs its kernel for ops that custom kernels lower after the device was installed)."""
+    if listener not in _LISTENERS:
+        _LISTENERS.append(listener)
 
 
 def lowering_for(op) -> Lowering | None:

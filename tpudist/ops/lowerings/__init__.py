@@ -2,4 +2,3 @@
 
 from tpudist.ops.lowerings import (  # noqa: F401
     elementwise, factories, foreach, indexing, linalg, nn, pooling, random, reductions, shape)
-from tpudist.ops.lowerings import device_extras  # noqa: F401,E402  (ops the tpu device needed first)

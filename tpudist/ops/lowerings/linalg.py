@@ -105,3 +105,11 @@ def convolution_backward(grad_output, x, weight, bias_sizes, stride, padding, di
     nd = x.ndim - 2
     grad_b = jnp.sum(grad_output, axis=(0, *range(2, 2 + nd))) if output_mask[2] else None
     return (grad_x if output_mask[0] else None, grad_w if output_mask[1] else None, grad_b)
+
+
+@lowers(aten.matmul_backward.default)
+def matmul_backward(grad, x, y, mask):
+    # jnp.matmul broadcasts exactly like torch.matmul, so its VJP is matmul's backward (1-D cases too)
+    _, vjp = jax.vjp(jnp.matmul, x, y)
+    gx, gy = vjp(grad.astype(jnp.result_type(x, y)))
+    return gx, gy
