@@ -67,6 +67,20 @@ def reset_device() -> None:
     _device = None
 
 
+def follow_process_group() -> None:
+    """The process group booted or shut down its JAX runtime (``group.py`` calls this).
+
+    Booted: the device is rank r's chip from now on, and is "initialized", so torch's DeviceMesh
+    does not ``set_device(LOCAL_RANK)`` (each process drives one chip, always ``tpu:0``). Shut down:
+    the chip belonged to the old world's backends, so the next use looks it up again.
+    """
+    global _device
+    from tpudist.process_group import runtime
+
+    with LOCK:
+        _device = runtime.current().local_device if runtime.is_booted() else None
+
+
 def get_mode() -> str:
     global _mode
     if _mode is None:
@@ -125,3 +139,15 @@ def next_rng() -> tuple[int, int]:
 def manual_seed(value: int) -> None:
     global seed, counter
     seed, counter = int(value) & 0xFFFFFFFF, 0
+
+
+def _follow_a_booted_process_group() -> None:
+    """``import tpudist.device`` after ``init_process_group("tpu")``: the chip is known already."""
+    import sys
+
+    runtime = sys.modules.get("tpudist.process_group.runtime")
+    if runtime is not None and runtime.is_booted():
+        follow_process_group()
+
+
+_follow_a_booted_process_group()

@@ -19,7 +19,10 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from tpudist.process_group import debug, programs, runtime
+from tpudist.process_group import device_arrays
+from tpudist.process_group import device_collectives as dc
 from tpudist.process_group import tensors as tz
+from tpudist.process_group.device_arrays import DeviceCall
 from tpudist.process_group.checks import (STUCK_GRACE_S, check_device, check_numel, check_output,
                                           check_outputs, check_same_dtype, looks_like_peer_loss,
                                           looks_like_timeout)
@@ -70,6 +73,7 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         self._programs_run: dict[tuple[int, ...], int] = {}  # per device set: the call sequence
         if self._is_world:
             runtime.boot(store, global_ranks[rank], size, timeout, owner=self)
+            _sync_device()  # the tpu device (if installed) is this rank's chip from now on
         elif not runtime.is_booted():
             raise NotImplementedError(
                 f'a "tpu" subgroup (global_ranks={list(global_ranks)}) needs a "tpu" world group: '
@@ -138,7 +142,8 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
                      dest: np.ndarray | None = None) -> np.ndarray:
         if self._detail is not None:
             self._detail.check(self, op, key)  # raises before any XLA runs
-        compiled = programs.program(key)
+        # A device call (tpu tensors) runs its own program over the same fingerprints (device_arrays.py).
+        compiled = programs.program(key) if not isinstance(block, DeviceCall) else device_arrays.program(block)
         seq = self._programs_run[key.group] = self._programs_run.get(key.group, 0) + 1
         fingerprint = compiled.call_fingerprint(self._group_code, seq)
         try:
@@ -155,7 +160,8 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         if result is None or not (fingerprints == fingerprint).all():
             self._programs_run[key.group] -= 1  # nothing ran: keep the ranks' counts aligned
             names = {programs.group_code(g.group_name): g.group_name for g in _live_groups()}
-            calls = "; ".join(f"rank {r} called {programs.describe_fingerprint(fp, names)}"
+            mixed = len({int(fp[0]) & device_arrays.DEVICE_FLAG for fp in fingerprints}) > 1
+            calls = "; ".join(f"rank {r} called {device_arrays.describe_fingerprint(fp, names, mixed)}"
                               for r, fp in enumerate(fingerprints))
             raise CollectiveMismatch(
                 f"{self._describe(op)}: ranks issued different collectives ({calls}). Every rank of "
@@ -236,6 +242,8 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
     # -- reductions -------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
+        if dc.on_device(tensors):
+            return dc.all_reduce(self, tensors, opts)
         if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor) and tensors[0].is_sparse:
             from tpudist.process_group import sparse
 
@@ -247,6 +255,8 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
+        if dc.on_device(tensors):
+            return dc.reduce(self, tensors, opts)
         root = self._check_rank("reduce", "dst", opts.rootRank)
         return self._reduce_into("reduce", self._one("reduce", tensors), opts.reduceOp, root=root,
                                  async_op=opts.asyncOp)
@@ -270,6 +280,8 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()
+        if dc.on_device(tensors):
+            return dc.all_reduce_coalesced(self, tensors, opts)
         tensors = [check_device("all_reduce_coalesced", t) for t in tensors]
         check_same_dtype("all_reduce_coalesced", tensors)
         check_outputs("all_reduce_coalesced", "tensors", tensors, disjoint=False)  # same data: may alias
@@ -289,6 +301,8 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ReduceScatterOptions()
+        if dc.on_device(output_tensors, input_tensors):
+            return dc.reduce_scatter(self, output_tensors, input_tensors, opts)
         out = self._one("reduce_scatter", output_tensors)
         chunks = self._per_rank("reduce_scatter", input_tensors, "input")
         check_same_dtype("reduce_scatter", [out, *chunks])
@@ -305,6 +319,8 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         op = "reduce_scatter_tensor"
         opts = opts or dist.ReduceScatterOptions()
+        if dc.on_device(outputs, inputs):
+            return dc.reduce_scatter_tensors(self, outputs, inputs, opts)
         outputs = [check_device(op, t) for t in outputs]
         inputs = [check_device(op, t) for t in inputs]
         check_same_dtype(op, [*outputs, *inputs])
@@ -332,15 +348,21 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
     # -- point to point: a 2-device ppermute, both sides dispatching the same program -------------
     def send(self, tensors, dst_rank, tag=0):
+        if dc.on_device(tensors):
+            dc.point_to_point("send")
         t = self._one("send", tensors)
         return P2P.post(self, "send", t, self._check_rank("send", "dst", dst_rank), tag)
 
     def recv(self, tensors, src_rank, tag=0):
+        if dc.on_device(tensors):
+            dc.point_to_point("recv")
         t = self._one("recv", tensors)
         return P2P.post(self, "recv", t, self._check_rank("recv", "src", src_rank), tag)
 
     def recv_anysource(self, tensors, tag=0):
         # Paired with a sender through the store first, then an ordinary transfer (p2p.py).
+        if dc.on_device(tensors):
+            dc.point_to_point("recv")
         return P2P.post(self, "recv", self._one("recv", tensors), None, tag)
 
     # -- synchronisation --------------------------------------------------------------------------
@@ -389,6 +411,8 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         if self._is_world:
             runtime.shutdown(owner=self)
             STREAM.stop()  # no tpudist thread outlives the world
+            device_arrays.clear_cache()
+            _sync_device()
         if self._detail is not None:
             self._detail.close(self)
         # Release the store: a TCPStore server kept alive here would still accept the clients of
@@ -413,6 +437,15 @@ _FAILURES = (
                                             "took another branch, or died)"),
     (looks_like_peer_loss, CollectiveError, "lost its peers; ranks {missing} did not report (they died or hang)"),
 )
+
+
+def _sync_device() -> None:
+    """Points the tpu device, if ``tpudist.device`` is installed, at the runtime's chip (or at none)."""
+    import sys
+
+    device_runtime = sys.modules.get("tpudist.device._runtime")
+    if device_runtime is not None:
+        device_runtime.follow_process_group()
 
 
 @functools.cache

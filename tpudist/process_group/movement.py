@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from tpudist.process_group import device_collectives as dc
 from tpudist.process_group import tensors as tz
 from tpudist.process_group.checks import (check_device, check_numel, check_output, check_outputs,
                                           check_same_dtype)
@@ -28,6 +29,8 @@ class DataMovement:
     # -- data movement (raw bytes) ----------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts or c10d.AllgatherOptions()
+        if dc.on_device(output_tensors, input_tensors):
+            return dc.all_gather(self, output_tensors, input_tensors, opts)
         inp = self._one("all_gather", input_tensors)
         outs = self._per_rank("all_gather", output_tensors, "output")
         check_same_dtype("all_gather", [inp, *outs])
@@ -42,6 +45,8 @@ class DataMovement:
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         op = "all_gather_into_tensor"
         opts = opts or c10d.AllgatherOptions()
+        if dc.on_device(outputs, inputs):
+            return dc.all_gather_tensors(self, outputs, inputs, opts)
         outputs = [check_device(op, t) for t in outputs]
         inputs = [check_device(op, t) for t in inputs]
         for out, inp in zip(outputs, inputs, strict=True):
@@ -69,6 +74,8 @@ class DataMovement:
         each holding a slot for every input)."""
         op = "all_gather_coalesced"
         opts = opts or c10d.AllgatherOptions()
+        if dc.on_device(output_lists, input_list):
+            return dc.all_gather_coalesced(self, output_lists, input_list, opts)
         inputs = [check_device(op, t) for t in input_list]
         lengths = [len(row) for row in output_lists]
         if len(output_lists) != self.size() or any(n != len(inputs) for n in lengths):
@@ -117,6 +124,8 @@ class DataMovement:
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
+        if dc.on_device(output_tensors, input_tensors):
+            return dc.gather(self, output_tensors, input_tensors, opts)
         root = self._check_rank("gather", "dst", opts.rootRank)
         inp = self._one("gather", input_tensors)
         if self.rank() == root:
@@ -131,6 +140,8 @@ class DataMovement:
 
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
+        if dc.on_device(tensors):
+            return dc.broadcast(self, tensors, opts)
         root = self._check_rank("broadcast", "src", opts.rootRank)
         t = self._one("broadcast", tensors)
         check_output("broadcast", "tensor", t)
@@ -146,6 +157,8 @@ class DataMovement:
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ScatterOptions()
+        if dc.on_device(output_tensors, input_tensors):
+            return dc.scatter(self, output_tensors, input_tensors, opts)
         root = self._check_rank("scatter", "src", opts.rootRank)
         out = self._one("scatter", output_tensors)
         check_output("scatter", "output", out)
@@ -174,6 +187,8 @@ class DataMovement:
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         op, n = "all_to_all_single", self.size()
         opts = opts or dist.AllToAllOptions()
+        if dc.on_device(output, input):
+            return dc.all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts)
         output, input = check_device(op, output), check_device(op, input)
         check_same_dtype(op, [output, input])
         check_output(op, "output", output)  # may be the input itself: inputs are read first
@@ -204,6 +219,8 @@ class DataMovement:
     def alltoall(self, output_tensors, input_tensors, opts=None):
         op, n = "all_to_all", self.size()
         opts = opts or dist.AllToAllOptions()
+        if dc.on_device(output_tensors, input_tensors):
+            return dc.all_to_all(self, output_tensors, input_tensors, opts)
         if len(output_tensors) != n or len(input_tensors) != n:
             raise ValueError(f"{op}: needs size={n} input and output tensors, got "
                              f"{len(input_tensors)} inputs and {len(output_tensors)} outputs")

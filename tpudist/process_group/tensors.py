@@ -99,8 +99,14 @@ def write_raw(t: Any, raw: np.ndarray) -> None:
 
 
 def padded(arr: np.ndarray, width: int) -> np.ndarray:
+    """``arr`` zero-padded to ``width`` rows: a numpy block, or a traced JAX array inside a device
+    program (:mod:`~tpudist.process_group.device_arrays` runs the same lowerings)."""
     if arr.shape[0] == width:
         return arr
+    if not isinstance(arr, np.ndarray):
+        import jax.numpy as jnp
+
+        return jnp.pad(arr, [(0, width - arr.shape[0])] + [(0, 0)] * (arr.ndim - 1))
     out = np.zeros(width, arr.dtype)
     out[:arr.shape[0]] = arr
     return out

@@ -1,0 +1,347 @@
+"""Collective programs over "tpu" device tensors: their ``jax.Array`` s go in, results stay on the device.
+
+A CPU tensor's collective runs on numpy blocks (:mod:`~tpudist.process_group.tensors`); a device
+tensor's storage already holds a flat ``jax.Array`` on this rank's chip (``tpudist.device``). A
+:class:`Plan` says, as static data, how the call's tensors sit on their storages, how their values
+make the op's block, and which part of the result lands in which output; one jitted ``shard_map``
+program then does all of it on the device:
+
+    storages (flat jax.Arrays) -> read the input views -> the block (concatenated / padded)
+      -> the op's lowering (the same ``LOWERINGS`` body as the CPU path: same bits)
+      -> the output views written into their storages -> new flat jax.Arrays
+
+The storages enter the program as they are (``batched_device_put`` of the array itself: the program
+reads the storage's own buffer) and the new storage values are the program's outputs, assigned back
+to the storages. Nothing of the tensors' data goes through the host; the only device-to-host read is
+the ranks' fingerprints (6 int32 per rank) that decide whether the collective may run.
+
+The fingerprint check is the CPU path's: every rank first exchanges ``(n, envelope.WORDS)`` rows
+(built on the device here, fingerprint words only), and the data moves under a ``lax.cond`` only
+if every rank agrees. Device calls carry :data:`DEVICE_FLAG` in their fingerprint, so a rank passing
+tpu tensors and a rank passing cpu tensors to the same collective get ``CollectiveMismatch``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tpudist.process_group import envelope, programs
+from tpudist.process_group.lowerings import LOWERINGS
+from tpudist.process_group.programs import ProgramKey
+
+DEVICE_FLAG = 1 << 30  # in fingerprint word 0 (root_code * 256 + op index: far below 2**30)
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """Where a tensor sits: its storage's slot in the call, and its geometry over that storage."""
+
+    slot: int
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+    dtype: Any  # torch dtype of the tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything the device program of one call depends on (the program cache's key).
+
+    ``inputs`` are read, cast to ``key.dtype`` (bool -> uint8, as the CPU path reduces it),
+    flattened and zero-padded to ``widths``; ``layout`` "flat" concatenates them into
+    ``key.shape``, "cols" concatenates their ``(n, -1)`` reshapes along dim 1 (reduce_scatter of
+    several tensors). ``outputs[i] = (view, (kind, start, stop))`` takes ``result.reshape(-1)[start:stop]``
+    ("flat") or ``result[:, start:stop]`` ("cols") of the op's result into ``view``.
+    """
+
+    key: ProgramKey
+    me: int  # this rank's index in the group
+    slots: tuple[tuple[int, Any, bool], ...]  # (numel, storage torch dtype, unwritten) per storage
+    inputs: tuple[View, ...]
+    widths: tuple[int, ...]
+    layout: str
+    outputs: tuple[tuple[View, tuple[str, int, int]], ...]
+
+
+class DeviceCall:
+    """One call: its plan, the storages' values when the call was issued, and the storages."""
+
+    __slots__ = ("plan", "arrays", "buffers")
+
+    def __init__(self, plan: Plan, arrays: tuple, buffers: tuple):
+        self.plan, self.arrays, self.buffers = plan, arrays, buffers
+
+    @property
+    def written_slots(self) -> list[int]:
+        return sorted({view.slot for view, _ in self.plan.outputs})
+
+
+def prepare(key: ProgramKey, me: int, inputs: list, widths: list[int], layout: str,
+            outputs: list[tuple[Any, tuple[str, int, int]]]) -> DeviceCall:
+    """The call's plan and the storages' current values (a pending fused graph runs first).
+
+    Called on the caller's thread when the collective is issued: the values are immutable
+    ``jax.Array`` s, so what the collective sends is what the tensors held at the call."""
+    from tpudist.device import _runtime as device_rt
+    from tpudist.device import _storage
+
+    with device_rt.LOCK:
+        buffers: list = []
+        slot_of: dict[int, int] = {}
+
+        def view_of(t) -> View:
+            buf = _storage.buffer_of(t)
+            slot = slot_of.get(id(buf))
+            if slot is None:
+                slot = slot_of[id(buf)] = len(buffers)
+                buffers.append(buf)
+            return View(slot, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+        in_views = tuple(view_of(t) for t in inputs)
+        out_specs = tuple((view_of(t), index) for t, index in outputs)
+        if any(isinstance(b.value, _storage.Lazy) for b in buffers):
+            _storage.flush()
+        arrays = tuple(b.value for b in buffers)
+    slots = tuple((b.numel, b.dtype, a is None) for b, a in zip(buffers, arrays))
+    plan = Plan(key, me, slots, in_views, tuple(widths), layout, out_specs)
+    return DeviceCall(plan, tuple(a for a in arrays if a is not None), tuple(buffers))
+
+
+def write_back(call: DeviceCall, new_values: list) -> None:
+    """The program's new storage values become the storages' values (no copy: the same arrays)."""
+    from tpudist.device import _runtime as device_rt
+
+    with device_rt.LOCK:
+        for slot, value in zip(call.written_slots, new_values):
+            call.buffers[slot].value = value
+
+
+# -- programs ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A built device program; the interface :meth:`ProcessGroupTPU._run_program` uses for both paths."""
+
+    key: ProgramKey
+    fn: Any  # (fp, *storages) -> (new storages, fingerprints), jitted over the group's mesh
+    fingerprint_host: np.ndarray
+    sharding: Any
+    device: Any
+    fp_aval: Any
+
+    def call_fingerprint(self, group_code: int, seq: int) -> np.ndarray:
+        return np.concatenate([self.fingerprint_host, np.array([group_code, seq], np.int32)])
+
+    def run(self, call: DeviceCall, fingerprint: np.ndarray,
+            dest: Any = None) -> tuple[list | None, np.ndarray]:
+        """Runs the call; returns (the written storages' new values, every rank's fingerprint),
+        the values None when the fingerprints disagree (then no data moved)."""
+        import jax
+        from jax._src import core
+
+        n = len(self.key.group)
+        with jax.enable_x64(True):  # the device keeps int64/float64 (FACTS.md: JAX truncates otherwise)
+            fp = _put(self.fp_aval, self.sharding, fingerprint, self.device)
+            inputs = [_put(core.ShapedArray((n * a.shape[0],), a.dtype), self.sharding, a, self.device)
+                      for a in call.arrays]
+            outs, _, fps = execute(self.fn, fp, inputs)
+            fps = _read_fingerprints(fps)
+        if not (fps == fps[0]).all():
+            return None, fps
+        return [o.addressable_data(0) for o in outs], fps
+
+
+def _put(aval: Any, sharding: Any, local: Any, device: Any) -> Any:
+    """The global array whose shard on this rank is ``local`` (a jax.Array: its own buffer, no copy;
+    or a small numpy array)."""
+    from jax._src.lib import xla_client
+
+    return xla_client.batched_device_put(aval, sharding, [local], [device], True)
+
+
+def execute(fn: Any, fp: Any, inputs: list) -> tuple:
+    """Runs a device program (one place, so tests can watch what goes in and comes out)."""
+    return fn(fp, *inputs)
+
+
+def _read_fingerprints(fps: Any) -> np.ndarray:
+    """The one device-to-host read of a device collective: ``(n, FP_WORDS)`` int32 fingerprints."""
+    import jax
+
+    return np.asarray(jax.device_get(fps.addressable_data(0)))
+
+
+_cache: dict[tuple[Plan, bool], Compiled] = {}
+_lock = threading.Lock()
+stats = {"hits": 0, "misses": 0}
+
+
+def program(call: DeviceCall) -> Compiled:
+    """The compiled program for ``call``'s plan, built on first use."""
+    entry = (call.plan, programs._VERIFY.on)  # noqa: SLF001 - the switch every rank flips together
+    compiled = _cache.get(entry)
+    if compiled is not None:
+        stats["hits"] += 1
+        return compiled
+    with _lock:
+        compiled = _cache.get(entry)
+        if compiled is None:
+            compiled = _cache[entry] = _build(*entry)
+            stats["misses"] += 1
+    return compiled
+
+
+def clear_cache() -> None:
+    with _lock:
+        _cache.clear()
+
+
+def fingerprint(key: ProgramKey) -> np.ndarray:
+    fp = programs.fingerprint(key)
+    fp[0] |= DEVICE_FLAG
+    return fp
+
+
+def describe_fingerprint(fp: np.ndarray, group_names: dict[int, str] | None, mixed: bool) -> str:
+    """:func:`programs.describe_fingerprint`, naming the tensors' device where ranks mixed them."""
+    on_device = bool(int(fp[0]) & DEVICE_FLAG)
+    plain = fp.copy()
+    plain[0] = int(fp[0]) & ~DEVICE_FLAG
+    text = programs.describe_fingerprint(plain, group_names)
+    return f"{text} on {'tpu' if on_device else 'cpu'} tensors" if mixed else text
+
+
+def _build(plan: Plan, verify: bool) -> Compiled:
+    import jax
+    import jax.numpy as jnp
+    from jax._src import core
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tpudist.process_group import runtime
+    from tpudist.process_group.lowerings import AXIS
+
+    key = plan.key
+    n = len(key.group)
+    mesh = programs.mesh_of(key.group)
+    lowering = LOWERINGS[key.op](key, plan.me)
+    written = sorted({view.slot for view, _ in plan.outputs})
+    initialised = [i for i, (_, _, unwritten) in enumerate(plan.slots) if not unwritten]
+
+    def compute(block):
+        outs = list(lowering.body(*lowering.split(block)))
+        # One element of every collective's output leaves the program on every rank: a rank that
+        # writes nothing (the root of a broadcast, a non-root of reduce/gather) or part of the result
+        # would otherwise let XLA drop collectives whose peers wait for them.
+        keep = [o.reshape(-1)[:1].astype(np.dtype(key.dtype)) for o in outs]
+        return _join(key, plan.me, lowering, block, outs), jnp.concatenate(keep or [block.reshape(-1)[:0]])
+
+    def local(fp, *arrays):
+        flats = _storages(plan, dict(zip(initialised, arrays)))
+        block = _block(plan, [_read(flats[v.slot], v, key.dtype) for v in plan.inputs])
+        if verify:
+            rows = jnp.zeros((n, envelope.WORDS), jnp.int32).at[:, :envelope.FP_WORDS].set(fp)
+            fps = envelope.fingerprints(programs._exchange(rows))  # noqa: SLF001 - the CPU path's exchange
+            agree = jnp.all(fps == fps[0:1])
+            shapes = jax.eval_shape(compute, block)
+            result, keep = jax.lax.cond(agree, compute, lambda b: tuple(jnp.zeros(s.shape, s.dtype)
+                                                                        for s in shapes), block)
+        else:
+            fps = jnp.broadcast_to(fp, (n, envelope.FP_WORDS))
+            result, keep = compute(block)
+        for view, index in plan.outputs:
+            flats[view.slot] = _write(flats[view.slot], view, _take(result, index))
+        return tuple(flats[s] for s in written), keep, fps
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS),) * (1 + len(initialised)),
+                               out_specs=((P(AXIS),) * len(written), P(AXIS), P(AXIS)), check_vma=False))
+    sharding = NamedSharding(mesh, P(AXIS))
+    fp_aval = core.ShapedArray((n * (envelope.FP_WORDS),), np.int32)
+    return Compiled(key, fn, fingerprint(key), sharding, runtime.current().local_device, fp_aval)
+
+
+# -- inside the program ------------------------------------------------------------------------------
+
+
+def _storages(plan: Plan, given: dict[int, Any]) -> list:
+    import jax.numpy as jnp
+
+    import tpudist.ops as tops
+
+    return [given[i] if i in given else jnp.zeros((numel,), tops.to_jax_dtype(dtype))  # unwritten: zeros
+            for i, (numel, dtype, _) in enumerate(plan.slots)]
+
+
+def _read(flat: Any, view: View, numeric: str) -> Any:
+    """A view's values, flat, in the dtype the op computes with."""
+    import tpudist.ops as tops
+    from tpudist.device import views
+    from tpudist.device._storage import _retype
+
+    value = _retype(views.read(flat, view.sizes, view.strides, view.offset), tops.to_jax_dtype(view.dtype))
+    return value.reshape(-1).astype(np.dtype(numeric))
+
+
+def _block(plan: Plan, parts: list) -> Any:
+    import jax.numpy as jnp
+
+    key = plan.key
+    dtype = np.dtype(key.dtype)
+    if not parts:
+        return jnp.zeros(key.shape, dtype)
+    if plan.layout == "cols":
+        n = len(key.group)
+        return jnp.concatenate([p.reshape(n, -1) for p in parts], axis=1)
+    padded = [jnp.pad(p, (0, w - p.shape[0])) if w != p.shape[0] else p for p, w in zip(parts, plan.widths)]
+    flat = padded[0] if len(padded) == 1 else jnp.concatenate(padded)
+    return flat.reshape(key.shape)
+
+
+def _take(result: Any, index: tuple[str, int, int]) -> Any:
+    kind, start, stop = index
+    if kind == "cols":
+        return result[:, start:stop].reshape(-1)
+    return result.reshape(-1)[start:stop]
+
+
+def _write(flat: Any, view: View, value: Any) -> Any:
+    import jax.numpy as jnp
+
+    import tpudist.ops as tops
+    from tpudist.device import views
+    from tpudist.device._storage import _retype
+
+    want = tops.to_jax_dtype(view.dtype)
+    value = (value != 0) if want == jnp.bool_ else value.astype(want)
+    value = _retype(value.reshape(view.sizes), flat.dtype)
+    return views.write(flat, value, view.sizes, view.strides, view.offset)
+
+
+def _join(key: ProgramKey, me: int, lowering: Any, block: Any, outs: list) -> Any:
+    """The op's result from the lowering's outputs, as ``Lowering.join`` makes it on the host: the
+    direct lowerings' output ``k - 1`` came from the rank ``k`` places before ours (lowerings.py)."""
+    n = len(key.group)
+    if key.op == "all_reduce":
+        numel = math.prod(key.shape)
+        return _place(outs[0], outs[1:], me, n).reshape(-1)[:numel].reshape(key.shape)
+    if key.op == "all_gather":
+        return _place(block, outs, me, n)
+    if key.op == "all_to_all":
+        return _place(block[me], outs, me, n)
+    return lowering.join(block, outs, None)
+
+
+def _place(own: Any, outs: list, me: int, n: int) -> Any:
+    import jax.numpy as jnp
+
+    rows = [None] * n
+    rows[me] = own
+    for k, out in enumerate(outs, start=1):
+        rows[(me - k) % n] = out
+    return jnp.stack(rows)
