@@ -3,8 +3,7 @@
 Each rank sends every peer one row of ``WORDS`` int32: its call fingerprint (:data:`FP_WORDS` words:
 op, reduce op, dtype, size, a hash of the key, group and per-group call number), then up to
 :data:`PAYLOAD_BYTES` bytes of data. The rows travel in one XLA ``all_to_all``: a single round of
-direct sends, which on XLA:CPU's gloo costs what a 4-byte ``psum`` costs, where an ``all_gather``
-of the same 24 bytes costs 1.5-3x more (``exchange_costs`` in ``benchmarks/collectives.py``).
+direct sends, the cheapest fixed-shape exchange measured on XLA:CPU's gloo (see PAYLOAD_BYTES).
 
 Why every program starts with the same fixed-shape exchange:
 - ranks compare fingerprints before any data moves, so ranks that issued different collectives
@@ -14,7 +13,7 @@ Why every program starts with the same fixed-shape exchange:
   a size mismatch;
 - a collective whose data fits the payload is finished by that one exchange: the rows a rank
   receives hold everything its result depends on, and :func:`finish` computes it on the host
-  (a fold over at most ``n`` rows of at most 64 KiB). One collective instead of two halves the
+  (a fold over at most ``n`` rows of at most 4 KiB). One collective instead of two halves the
   latency of small collectives (the 4-byte all_reduce of a loss or a norm).
 
 What a row carries per op (``n`` = group size; ``block`` is one rank's input as the op's lowering
@@ -37,13 +36,14 @@ if TYPE_CHECKING:
     from tpudist.process_group.programs import ProgramKey
 
 FP_WORDS = 6
-# 64 KiB: an all_to_all of 1 KiB or of 64 KiB rows takes the same time on XLA:CPU's gloo (latency
-# bound: 340-790 us on 2 ranks, 1.5-2.0 ms on 4, against 5 ms for gloo's own 4-64 KiB all_reduce on
-# 4 ranks; measured here), so every collective up to 64 KiB per destination costs one exchange.
-# A/B in benchmarks/collectives.py: 256 KiB rows made 4 B - 64 KiB ops 1.3-2x slower (packing and
-# XLA's slicing of 4x the bytes) and gained nothing at 1 MiB; 16 KiB rows did not make 4 B ops faster
-# and sent 64 KiB ops through a second program (1.7-2.5x slower).
-PAYLOAD_BYTES = 64 * 1024
+# 4 KiB per row (issue 15). The envelope is the one collective of every small op, so its cost is
+# their latency. Bare exchanges (benchmarks/collectives.py --exchanges, 2 and 4 ranks, interleaved):
+# an all_to_all of 4 KiB rows costs what one of 32-byte rows costs (2 ranks 0.3 ms, 4 ranks 1.0-1.1 ms
+# with the gloo loop idle; loaded machine), while an all_gather of one row or a psum of the same
+# bytes (one-hot rows: an all_gather by sum) took 1.7-3x as long on 4 ranks and no less on 2; even a
+# 4-byte psum was no faster. 64 KiB rows made a 4-byte all_reduce pay for moving n x 64 KiB and
+# ~0.4 ms of numpy. Ops over 4 KiB per row pay a second (data) collective in the same program.
+PAYLOAD_BYTES = 4 * 1024
 WORDS = FP_WORDS + PAYLOAD_BYTES // 4
 _OFFSET = FP_WORDS * 4  # payload start, in bytes
 
@@ -118,7 +118,9 @@ def finish(plan: Plan, rows: np.ndarray) -> np.ndarray:
     key, n = plan.key, len(plan.key.group)
     if key.op == "barrier":
         return np.zeros(key.shape, plan.dtype)
-    data = np.ascontiguousarray(rows.view(np.uint8)[:, _OFFSET:_OFFSET + plan.row_bytes]).view(plan.dtype)
+    data = rows.view(np.uint8)[:, _OFFSET:_OFFSET + plan.row_bytes]  # rows are strided, bytes dense
+    data = data.view(plan.dtype) if plan.row_bytes % plan.dtype.itemsize == 0 and plan.row_bytes else \
+        np.ascontiguousarray(data).view(plan.dtype)
     if key.op in ("all_reduce", "reduce_scatter"):
         part = key.shape if key.op == "all_reduce" else key.shape[1:]
         return fold(data.reshape(n, *part), key.reduce, key.static)

@@ -28,6 +28,7 @@ import numpy as np
 from tpudist.process_group import envelope
 from tpudist.process_group.lowerings import (  # noqa: F401 - the ReduceOp names are used via programs.*
     AVG, AXIS, BAND, BOR, BXOR, LOWERINGS, MAX, MIN, PREMUL_SUM, PRODUCT, REDUCES, SUM, Lowering)
+from tpudist.process_group.runtime import GLOO_LOOP
 from tpudist.process_group.switch import Switch
 
 _DTYPE_NAMES = ("bfloat16", "bool", "complex128", "complex64", "float16", "float32", "float64",
@@ -60,6 +61,26 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
+class Executable:
+    """A cached program and the cheapest measured way to call it and read this rank's outputs.
+
+    Measured per call in main-thread CPU, a 2-output program on one CPU device (jax 0.10.2,
+    issue 15): the jitted call plus ``np.asarray(out._arrays[0])`` 17-22 us; the compiled
+    executable's ``execute_sharded`` saves 2-4 us in the call but its outputs cost ~10 us more to
+    reach (``disassemble_into_single_device_arrays`` builds a sharding per output in Python):
+    23-30 us. So the jitted call it is.
+    """
+
+    __slots__ = ("_jitted",)
+
+    def __init__(self, jitted: Callable[..., Any]):
+        self._jitted = jitted
+
+    def __call__(self, *args: Any) -> list[np.ndarray]:
+        """This rank's block of each output (host views, no copies)."""
+        return [np.asarray(o._arrays[0])[0] for o in self._jitted(*args)]  # noqa: SLF001 - the local shard
+
+
 @dataclass(frozen=True, slots=True)
 class Compiled:
     """A built program with what each call needs ready: no per-call sharding or aval work.
@@ -69,22 +90,25 @@ class Compiled:
     """
 
     plan: envelope.Plan
-    envelope_fn: Callable[[Any], Any]  # rows -> rows received (shared by a group's small ops)
+    envelope_fn: Executable  # rows -> rows received (shared by a group's small ops)
     rows: np.ndarray  # the rows this rank sends, one buffer per group (see _rows_buffer)
     x_rows: Any  # the global array over ``rows``' memory, or None where XLA would not alias it
-    fn: Callable[..., Any] | None  # (*inputs, rows) -> (outputs, fingerprints); None: small
+    fn: Executable | None  # (*inputs, rows) -> (*outputs, fingerprints); None: small
     lowering: Lowering | None  # None: small
     fingerprint_host: np.ndarray  # what the key decides; a call adds its group and sequence number
     envelope_aval: Any
     avals: tuple  # one per program input
     sharding: Any
     device: Any
+    loop_idle: bool  # the gloo loop thread's policy for this program (see runtime.GlooLoop)
     x64: bool  # JAX truncates 64-bit types unless x64 is on for the call (FACTS.md)
 
     def call_fingerprint(self, group_code: int, seq: int) -> np.ndarray:
         """The key's fingerprint plus the call's group and per-group sequence number: ranks that
         skipped a collective, or issued two groups' collectives in different orders, differ here."""
-        return np.concatenate([self.fingerprint_host, np.array([group_code, seq], np.int32)])
+        fp = self.fingerprint_host.copy()
+        fp[-2:] = group_code, seq
+        return fp
 
     def run(self, block: np.ndarray, fingerprint: np.ndarray,
             dest: np.ndarray | None = None) -> tuple[np.ndarray | None, np.ndarray]:
@@ -97,23 +121,34 @@ class Compiled:
         x_rows = self.x_rows
         if x_rows is None:
             x_rows = xla_batched_put(self.envelope_aval, self.sharding, rows, self.device)
+        GLOO_LOOP.idle(self.loop_idle)
         if self.fn is None:
-            got = np.asarray(self.envelope_fn(x_rows)._arrays[0])[0]
+            got = self.envelope_fn(x_rows)[0]
             fps = envelope.fingerprints(got)
-            return (envelope.finish(self.plan, got) if (fps == fps[0]).all() else None), fps
-        import jax
+            return (envelope.finish(self.plan, got) if _all_are(fps, fingerprint) else None), fps
+        if self.x64:  # JAX truncates 64-bit types unless x64 is on, in puts too (FACTS.md)
+            import jax
 
-        with jax.enable_x64(self.x64):
-            # Each input aliases the block's memory where it is aligned (batched_device_put builds
-            # the global array in ~3 us, against ~70 us for device_put followed by
-            # make_array_from_single_device_arrays: measured here, jax 0.10.2).
-            inputs = [xla_batched_put(aval, self.sharding, piece, self.device)
-                      for aval, piece in zip(self.avals, self.lowering.split(block))]
-            outs, fps = self.fn(*inputs, x_rows)
-            fps = np.asarray(fps._arrays[0])[0]  # the program has finished: inputs are read
-            if not (fps == fps[0]).all():
-                return None, fps
-            return self.lowering.join(block, [np.asarray(o._arrays[0])[0] for o in outs], dest), fps
+            with jax.enable_x64(True):
+                *outs, fps = self._run_program(block, x_rows)
+        else:  # the context costs ~2 us: only where needed
+            *outs, fps = self._run_program(block, x_rows)
+        if not _all_are(fps, fingerprint):
+            return None, fps
+        return self.lowering.join(block, outs, dest), fps
+
+    def _run_program(self, block: np.ndarray, x_rows: Any) -> list[np.ndarray]:
+        # Each input aliases the block's memory where it is aligned (batched_device_put builds
+        # the global array in ~3 us, against ~70 us for device_put followed by
+        # make_array_from_single_device_arrays: measured here, jax 0.10.2).
+        inputs = [xla_batched_put(aval, self.sharding, piece, self.device)
+                  for aval, piece in zip(self.avals, self.lowering.split(block))]
+        return self.fn(*inputs, x_rows)  # the program has finished: inputs are read
+
+
+def _all_are(fingerprints: np.ndarray, ours: np.ndarray) -> bool:
+    """Whether every rank's fingerprint is ours (bytes compared: ~3 us less than numpy's all())."""
+    return fingerprints.tobytes() == ours.tobytes() * len(fingerprints)
 
 
 _cache: dict[tuple[ProgramKey, bool, bool], Compiled] = {}
@@ -231,6 +266,8 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
     mesh = mesh_of(key.group)
     rt = runtime.current()
     me = key.group.index(rt.process_id)
+    sharding = NamedSharding(mesh, P(AXIS))
+    envelope_aval = core.ShapedArray((n, n, envelope.WORDS), np.int32)
     fn = lowering = None
     avals: tuple = ()
     if not (small and envelope.fits(key)):
@@ -242,7 +279,7 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
         def unchecked(*args):
             fps = envelope.fingerprints(args[-1][0])
             outs = lowering.body(*(x[0] for x in args[:-1]))
-            return tuple(o[None] for o in outs), jnp.broadcast_to(fps[0], fps.shape)[None]
+            return (*(o[None] for o in outs), jnp.broadcast_to(fps[0], fps.shape)[None])
 
         def checked(*args):
             xs, rows = [x[0] for x in args[:-1]], args[-1]
@@ -251,18 +288,27 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
             agree = jnp.all(fps == fps[0:1])
             outs = jax.lax.cond(agree, lambda vs: lowering.body(*vs),
                                 lambda vs: tuple(jnp.zeros(o.shape, o.dtype) for o in out_shapes), xs)
-            return tuple(o[None] for o in outs), fps[None]
+            return (*(o[None] for o in outs), fps[None])
 
-        fn = jax.jit(jax.shard_map(checked if verify else unchecked, mesh=mesh,
-                                   in_specs=(P(AXIS),) * (len(avals) + 1), out_specs=P(AXIS),
-                                   check_vma=False))
-    fp = fingerprint(key)
-    sharding = NamedSharding(mesh, P(AXIS))
-    envelope_aval = core.ShapedArray((n, n, envelope.WORDS), np.int32)
+        jitted = jax.jit(jax.shard_map(checked if verify else unchecked, mesh=mesh,
+                                       in_specs=(P(AXIS),) * (len(avals) + 1), out_specs=P(AXIS),
+                                       check_vma=False))
+        fn = Executable(jitted)
+    fp = np.concatenate([fingerprint(key), np.zeros(2, np.int32)])  # + group code, call number
     rows, x_rows = _rows_buffer(key.group, envelope_aval, sharding, rt.local_device)
     return Compiled(envelope.plan(key, me, carries_data=fn is None), _envelope_program(key.group),
                     rows, x_rows, fn, lowering, fp, envelope_aval, avals, sharding, rt.local_device,
-                    key.dtype in _WIDE)
+                    loop_idle(key, fn is None), key.dtype in _WIDE)
+
+
+def loop_idle(key: ProgramKey, small: bool) -> bool:
+    """Whether gloo's loop thread runs in SCHED_IDLE for this program (runtime.GlooLoop).
+
+    Measured (benchmarks/collectives.py --loop-ab): idle helps the latency-bound envelope
+    exchange, and slows one-way bulk transfers, which every larger lowering is made of (ppermutes).
+    Switching costs a syscall only when consecutive programs differ.
+    """
+    return small
 
 
 def _rows_buffer(group: tuple[int, ...], aval: Any, sharding: Any,
@@ -275,7 +321,7 @@ def _rows_buffer(group: tuple[int, ...], aval: Any, sharding: Any,
     before the next call can write (a process runs one collective at a time). That saves building
     the array per call (~20 of the ~140 us a small all_reduce costs in Python; measured here). Where
     XLA copies instead (the pointers differ), the array is built per call from the rows. One buffer
-    per group, not per program: n x 64 KiB each, however many shapes a run uses.
+    per group, not per program: n x 4 KiB each, however many shapes a run uses.
     """
     cached = _rows_buffers.get(group)
     if cached is not None:
@@ -298,16 +344,16 @@ def _exchange(rows):
     return jax.lax.all_to_all(rows, AXIS, split_axis=0, concat_axis=0, tiled=True)
 
 
-def _envelope_program(group: tuple[int, ...]) -> Callable[[Any], Any]:
+def _envelope_program(group: tuple[int, ...]) -> Executable:
     """The rows exchange alone: the whole program of every collective that fits the envelope."""
     fn = _envelope_programs.get(group)
     if fn is None:
         import jax
         from jax.sharding import PartitionSpec as P
 
-        fn = _envelope_programs[group] = jax.jit(jax.shard_map(
-            lambda rows: _exchange(rows[0])[None], mesh=mesh_of(group), in_specs=P(AXIS),
-            out_specs=P(AXIS), check_vma=False))
+        jitted = jax.jit(jax.shard_map(lambda rows: (_exchange(rows[0])[None],), mesh=mesh_of(group),
+                                       in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))
+        fn = _envelope_programs[group] = Executable(jitted)
     return fn
 
 

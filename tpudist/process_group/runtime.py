@@ -7,11 +7,13 @@ world group shuts it down, so a new world (of any size) can start in the same pr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -213,7 +215,10 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
         if rank == 0:
             # Everyone has registered, so everyone has read the address: a later world must not.
             store.delete_key(_COORDINATOR_KEY)
-        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        before = _thread_ids() if platform == "cpu" else set()
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))  # starts the backend
+        if platform == "cpu":
+            GLOO_LOOP.attach(before)
         by_process = {}
         for d in devices:
             by_process.setdefault(d.process_index, d)  # one chip (device) per process
@@ -221,6 +226,113 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
                            topology, float(collective_timeout_s))
         _owner_id = id(owner)
         return _runtime
+
+
+# -- jaxlib's gloo TCP loop thread -----------------------------------------------------------------
+# gloo's TCP transport runs one event-loop thread per process (gloo::transport::tcp::Loop::run,
+# unnamed), started with the CPU client's collectives. It spins on level-triggered epoll while a
+# transfer is pending and, with several ranks on 2 cores, takes the CPU from the thread that holds
+# the pair lock and does the actual work: per-call latency was bimodal (~0.1 ms or ~4 ms, FACTS.md).
+# In SCHED_IDLE it only runs on an otherwise idle CPU. TPUDIST_GLOO_LOOP_IDLE=0 leaves it alone.
+_LOOP_IDLE_ENV = "TPUDIST_GLOO_LOOP_IDLE"
+_EPOLL_SYSCALLS = {"x86_64": {"232", "281", "441"}, "aarch64": {"22", "441"}}  # epoll_wait, epoll_pwait(2)
+_FIND_LOOP_S = 0.5  # the new thread may not have reached epoll_wait yet when the backend returns
+
+
+def _thread_ids() -> set[int]:
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux
+        return set()
+
+
+def _waits_in_epoll(tid: int) -> bool:
+    import platform
+
+    try:
+        with open(f"/proc/self/task/{tid}/wchan", encoding="ascii") as f:
+            if "epoll" in f.read():
+                return True
+        with open(f"/proc/self/task/{tid}/syscall", encoding="ascii") as f:
+            return f.read().split()[0] in _EPOLL_SYSCALLS.get(platform.machine(), ())
+    except (OSError, IndexError):  # the thread ended, or /proc hides it
+        return False
+
+
+class GlooLoop:
+    """The gloo loop thread of this process and its scheduling policy (Linux only).
+
+    ``attach`` finds it among the threads the CPU backend started (the one new thread blocked in
+    ``epoll_wait``); ``idle(True/False)`` puts it in SCHED_IDLE or back in SCHED_OTHER, a syscall
+    only when the policy changes. Where it cannot be found or the kernel refuses, a warning says
+    so and nothing changes.
+    """
+
+    def __init__(self) -> None:
+        self.tid: int | None = None
+        self.is_idle = False
+        self.force: bool | None = None  # set by forced(): one policy for every program
+
+    @contextlib.contextmanager
+    def forced(self, on: bool | None):
+        """Every program runs with the loop thread idle (True) or not (False) in this scope; None
+        restores the per-program choice. For A/B measurements (benchmarks/collectives.py)."""
+        before, self.force = self.force, on
+        try:
+            yield self
+        finally:
+            self.force = before
+
+    @property
+    def enabled(self) -> bool:
+        return os.environ.get(_LOOP_IDLE_ENV, "1") != "0"
+
+    def attach(self, before: set[int]) -> None:
+        self.tid, self.is_idle = None, False
+        if not self.enabled or not hasattr(os, "SCHED_IDLE") or not before:
+            return
+        import time
+
+        deadline = time.monotonic() + _FIND_LOOP_S
+        while True:
+            new = sorted(_thread_ids() - before)
+            found = [t for t in new if _waits_in_epoll(t)]
+            if len(found) == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        if len(found) != 1:
+            warnings.warn(
+                f"tpudist: could not identify jaxlib's gloo loop thread ({len(found)} of the "
+                f"{len(new)} threads the CPU backend started wait in epoll, expected 1); its "
+                f"scheduling is left alone, so small collectives may be slower. Set "
+                f"{_LOOP_IDLE_ENV}=0 to silence this.", RuntimeWarning, stacklevel=3)
+            return
+        self.tid = found[0]
+        self.idle(True)
+
+    def idle(self, on: bool) -> None:
+        if self.force is not None:
+            on = self.force
+        if self.tid is None or on == self.is_idle:
+            return
+        policy = os.SCHED_IDLE if on else os.SCHED_OTHER
+        try:
+            os.sched_setscheduler(self.tid, policy, os.sched_param(0))
+        except OSError as e:
+            warnings.warn(f"tpudist: the kernel refused to set jaxlib's gloo loop thread (tid "
+                          f"{self.tid}) to {'SCHED_IDLE' if on else 'SCHED_OTHER'}: {e}; its "
+                          f"scheduling is left alone. Set {_LOOP_IDLE_ENV}=0 to silence this.",
+                          RuntimeWarning, stacklevel=2)
+            self.tid = None
+            return
+        self.is_idle = on
+
+    def policy(self) -> int | None:
+        """The thread's current policy as the kernel reports it (None: no thread attached)."""
+        return None if self.tid is None else os.sched_getscheduler(self.tid)
+
+
+GLOO_LOOP = GlooLoop()
 
 
 def shutdown(owner: object) -> None:
@@ -273,3 +385,4 @@ def _teardown() -> None:
         jax.clear_caches()
         jax.extend.backend.clear_backends()
         _runtime, _owner_id, _abandoned = None, None, False
+        GLOO_LOOP.tid, GLOO_LOOP.is_idle = None, False  # the thread ended with the backend

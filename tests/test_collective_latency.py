@@ -1,0 +1,72 @@
+"""Issue 15's latency levers keep the backend's contract: the gloo loop thread's scheduling (set,
+switched per program, off switch, warnings instead of failures) and the small-op envelope
+(ranks that disagree get CollectiveMismatch on every rank, and the group goes on working)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+
+import rank_fns_latency as fns
+from tpudist.process_group import runtime
+from tpudist.testing import RankPool
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux scheduling")
+
+
+def test_loop_thread_is_idle_for_small_programs_and_normal_for_data_programs(pool2):
+    for res in pool2.run(fns.loop_policies):
+        assert res["tid"] is not None and res["in_process"]
+        assert res["after_small"] == os.SCHED_IDLE
+        assert res["after_large"] == os.SCHED_OTHER
+        assert res["again"] == os.SCHED_IDLE
+        assert res["forced"] == os.SCHED_OTHER
+        assert res["results"] == [2.0, 2.0, 2.0]
+        assert res["idle_threads"] == [res["tid"]]  # that one thread, nothing else
+
+
+def test_off_switch_leaves_every_thread_alone():
+    with RankPool(2, env={"TPUDIST_GLOO_LOOP_IDLE": "0"}, timeout=120) as pool:
+        for res in pool.run(fns.loop_policies):
+            assert res["tid"] is None
+            assert res["idle_threads"] == []
+            assert res["results"] == [2.0, 2.0, 2.0]
+
+
+def test_no_loop_thread_found_warns_and_changes_nothing():
+    loop = runtime.GlooLoop()
+    with pytest.warns(RuntimeWarning, match="could not identify jaxlib's gloo loop thread"):
+        loop.attach(runtime._thread_ids())  # noqa: SLF001 - no thread started since: none found
+    assert loop.tid is None
+    loop.idle(True)  # a no-op without a thread
+    assert not loop.is_idle
+
+
+def test_refused_policy_change_warns_and_detaches():
+    loop = runtime.GlooLoop()
+    loop.tid = 2**22 + 12345  # above pid_max: no such thread, the kernel refuses (ESRCH)
+    with pytest.warns(RuntimeWarning, match="the kernel refused to set jaxlib's gloo loop thread"):
+        loop.idle(True)
+    assert loop.tid is None and not loop.is_idle
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loop.idle(False)  # detached: no second warning
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("small_vs_small", ["rank 0 called all_reduce sum of 4 x float32", "rank 1 called all_gather of 4 x int32"]),
+    ("small_vs_large", ["rank 0 called all_reduce sum of 1 x float32",
+                        f"rank 1 called all_reduce sum of {fns.LARGE} x float32"]),
+    ("at_the_edge", [f"rank 0 called all_reduce sum of {fns.LARGE - 1} x float32",
+                     f"rank 1 called all_reduce sum of {fns.LARGE} x float32"]),
+    ("barrier_vs_small", ["rank 0 called barrier of 1 x int32", "rank 1 called broadcast of 2 x int32"]),
+])
+def test_small_op_mismatch_raises_on_every_rank_and_the_group_stays_usable(pool2, kind, expected):
+    for outcome, small, large in pool2.run(fns.mismatched_small, kind):
+        assert outcome.startswith("CollectiveMismatch: "), outcome
+        for text in expected:
+            assert text in outcome
+        assert small == [2.0, 2.0] and large == [2.0, 2.0]  # no data moved, and the group works
