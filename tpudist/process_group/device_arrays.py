@@ -3,17 +3,18 @@
 A CPU tensor's collective runs on numpy blocks (:mod:`~tpudist.process_group.tensors`); a device
 tensor's storage already holds a flat ``jax.Array`` on this rank's chip (``tpudist.device``). A
 :class:`Plan` says, as static data, how the call's tensors sit on their storages, how their values
-make the op's block, and which part of the result lands in which output; one jitted ``shard_map``
-program then does all of it on the device:
+make the op's block, and which part of the result lands in which output. Three jitted programs
+then do all of it on the device:
 
-    storages (flat jax.Arrays) -> read the input views -> the block (concatenated / padded)
-      -> the op's lowering (the same ``LOWERINGS`` body as the CPU path: same bits)
-      -> the output views written into their storages -> new flat jax.Arrays
+    read        storages (flat jax.Arrays) -> the input views' values -> the block -> the pieces
+    collective  fingerprint exchange; the op's lowering body over the group's mesh (the same
+                ``LOWERINGS`` body as the CPU path: the same bits)
+    write       the result into the output views -> the written storages' new values
 
-The storages enter the program as they are (``batched_device_put`` of the array itself: the program
-reads the storage's own buffer) and the new storage values are the program's outputs, assigned back
-to the storages. Nothing of the tensors' data goes through the host; the only device-to-host read is
-the ranks' fingerprints (6 int32 per rank) that decide whether the collective may run.
+Storages, pieces and results move between the programs as device buffers (``batched_device_put``
+of an array itself makes the global array over its own buffer) and the last program's outputs
+become the storages' values. Nothing of the tensors' data goes through the host; the only
+device-to-host read is the ranks' fingerprints (6 int32 per rank) that decide whether to write.
 
 The fingerprint check is the CPU path's: every rank first exchanges ``(n, envelope.WORDS)`` rows
 (built on the device here, fingerprint words only), and the data moves under a ``lax.cond`` only
@@ -126,10 +127,22 @@ def write_back(call: DeviceCall, new_values: list) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Compiled:
-    """A built device program; the interface :meth:`ProcessGroupTPU._run_program` uses for both paths."""
+    """A built device call: the interface :meth:`ProcessGroupTPU._run_program` uses for both paths.
+
+    Three programs: ``read`` (this rank's views -> the lowering's input pieces), ``collective``
+    (the fingerprint exchange and the lowering's body over the group's mesh) and ``write`` (the
+    result into this rank's output views). Only ``collective`` spans the ranks, and it is the same
+    program on every rank: what differs per rank (tensor geometry, this rank's place in the group)
+    stays in the local programs. XLA may order independent collectives differently in programs that
+    differ, and a rank sending peer 2's piece while that peer waits for peer 1's deadlocks (seen
+    with 4 ranks when the reads and writes were inside the collective program).
+    """
 
     key: ProgramKey
-    fn: Any  # (fp, *storages) -> (new storages, fingerprints), jitted over the group's mesh
+    read: Any  # (storages) -> (block, pieces): one jitted program on this rank's device
+    collective: Any  # (fp, *pieces) -> (outs, fingerprints), jitted over the group's mesh
+    write: Any  # (storages, block, outs) -> the written storages' new values
+    piece_avals: tuple  # global avals of the collective's piece inputs
     fingerprint_host: np.ndarray
     sharding: Any
     device: Any
@@ -143,18 +156,18 @@ class Compiled:
         """Runs the call; returns (the written storages' new values, every rank's fingerprint),
         the values None when the fingerprints disagree (then no data moved)."""
         import jax
-        from jax._src import core
 
-        n = len(self.key.group)
         with jax.enable_x64(True):  # the device keeps int64/float64 (FACTS.md: JAX truncates otherwise)
+            block, pieces = execute("read", self.read, call.arrays)
             fp = _put(self.fp_aval, self.sharding, fingerprint, self.device)
-            inputs = [_put(core.ShapedArray((n * a.shape[0],), a.dtype), self.sharding, a, self.device)
-                      for a in call.arrays]
-            outs, _, fps = execute(self.fn, fp, inputs)
+            inputs = [_put(aval, self.sharding, piece, self.device)
+                      for aval, piece in zip(self.piece_avals, pieces)]
+            outs, fps = execute("collective", self.collective, fp, *inputs)
             fps = _read_fingerprints(fps)
-        if not (fps == fps[0]).all():
-            return None, fps
-        return [o.addressable_data(0) for o in outs], fps
+            if not (fps == fps[0]).all():
+                return None, fps
+            new = execute("write", self.write, call.arrays, block, [o.addressable_data(0) for o in outs])
+        return list(new), fps
 
 
 def _put(aval: Any, sharding: Any, local: Any, device: Any) -> Any:
@@ -165,9 +178,9 @@ def _put(aval: Any, sharding: Any, local: Any, device: Any) -> Any:
     return xla_client.batched_device_put(aval, sharding, [local], [device], True)
 
 
-def execute(fn: Any, fp: Any, inputs: list) -> tuple:
-    """Runs a device program (one place, so tests can watch what goes in and comes out)."""
-    return fn(fp, *inputs)
+def execute(stage: str, fn: Any, *args: Any) -> Any:
+    """Runs one of a call's programs (one place, so tests can watch what goes in and comes out)."""
+    return fn(*args)
 
 
 def _read_fingerprints(fps: Any) -> np.ndarray:
@@ -234,36 +247,46 @@ def _build(plan: Plan, verify: bool) -> Compiled:
     written = sorted({view.slot for view, _ in plan.outputs})
     initialised = [i for i, (_, _, unwritten) in enumerate(plan.slots) if not unwritten]
 
-    def compute(block):
-        outs = list(lowering.body(*lowering.split(block)))
-        # One element of every collective's output leaves the program on every rank: a rank that
-        # writes nothing (the root of a broadcast, a non-root of reduce/gather) or part of the result
-        # would otherwise let XLA drop collectives whose peers wait for them.
-        keep = [o.reshape(-1)[:1].astype(np.dtype(key.dtype)) for o in outs]
-        return _join(key, plan.me, lowering, block, outs), jnp.concatenate(keep or [block.reshape(-1)[:0]])
-
-    def local(fp, *arrays):
+    def read(arrays):
         flats = _storages(plan, dict(zip(initialised, arrays)))
         block = _block(plan, [_read(flats[v.slot], v, key.dtype) for v in plan.inputs])
-        if verify:
-            rows = jnp.zeros((n, envelope.WORDS), jnp.int32).at[:, :envelope.FP_WORDS].set(fp)
-            fps = envelope.fingerprints(programs._exchange(rows))  # noqa: SLF001 - the CPU path's exchange
-            agree = jnp.all(fps == fps[0:1])
-            shapes = jax.eval_shape(compute, block)
-            result, keep = jax.lax.cond(agree, compute, lambda b: tuple(jnp.zeros(s.shape, s.dtype)
-                                                                        for s in shapes), block)
-        else:
-            fps = jnp.broadcast_to(fp, (n, envelope.FP_WORDS))
-            result, keep = compute(block)
+        return block, tuple(lowering.split(block))
+
+    def spmd(fp, *pieces):
+        if not verify:
+            return tuple(lowering.body(*pieces)), jnp.broadcast_to(fp, (n, envelope.FP_WORDS))
+        rows = jnp.zeros((n, envelope.WORDS), jnp.int32).at[:, :envelope.FP_WORDS].set(fp)
+        fps = envelope.fingerprints(programs._exchange(rows))  # noqa: SLF001 - the CPU path's exchange
+        agree = jnp.all(fps == fps[0:1])
+        shapes = jax.eval_shape(lowering.body, *pieces)
+        outs = jax.lax.cond(agree, lambda ps: tuple(lowering.body(*ps)),
+                            lambda ps: tuple(jnp.zeros(s.shape, s.dtype) for s in shapes), pieces)
+        return tuple(outs), fps
+
+    def write(arrays, block, outs):
+        flats = _storages(plan, dict(zip(initialised, arrays)))
+        result = _join(key, plan.me, lowering, block, list(outs))
         for view, index in plan.outputs:
             flats[view.slot] = _write(flats[view.slot], view, _take(result, index))
-        return tuple(flats[s] for s in written), keep, fps
+        return tuple(flats[s] for s in written)
 
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS),) * (1 + len(initialised)),
-                               out_specs=((P(AXIS),) * len(written), P(AXIS), P(AXIS)), check_vma=False))
+    with jax.enable_x64(True):
+        stand_ins = [jax.ShapeDtypeStruct((numel,), _jax_dtype(dtype))
+                     for i, (numel, dtype, _) in enumerate(plan.slots) if i in initialised]
+        _, piece_shapes = jax.eval_shape(read, stand_ins)
+    piece_avals = tuple(core.ShapedArray((n * p.shape[0], *p.shape[1:]), p.dtype) for p in piece_shapes)
+    collective = jax.jit(jax.shard_map(spmd, mesh=mesh, in_specs=(P(AXIS),) * (1 + len(piece_avals)),
+                                       out_specs=P(AXIS), check_vma=False))
     sharding = NamedSharding(mesh, P(AXIS))
-    fp_aval = core.ShapedArray((n * (envelope.FP_WORDS),), np.int32)
-    return Compiled(key, fn, fingerprint(key), sharding, runtime.current().local_device, fp_aval)
+    fp_aval = core.ShapedArray((n * envelope.FP_WORDS,), np.int32)
+    return Compiled(key, jax.jit(read), collective, jax.jit(write), piece_avals, fingerprint(key), sharding,
+                    runtime.current().local_device, fp_aval)
+
+
+def _jax_dtype(dtype: Any) -> Any:
+    import tpudist.ops as tops
+
+    return tops.to_jax_dtype(dtype)
 
 
 # -- inside the program ------------------------------------------------------------------------------
