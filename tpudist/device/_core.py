@@ -333,8 +333,10 @@ def kernel_for(op, args, kwargs):
                 leaves[leaf].resize_(shape)
             return kernel_for(op, args, kwargs)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
-                jax.errors.TracerIntegerConversionError):
-            if static:
+                jax.errors.TracerIntegerConversionError, TypeError) as e:
+            # A decomposition that checks a float argument (torch._check(delta > 0)) gets a tensor, not a
+            # bool, when the float is a program input: run the op with its floats as constants instead.
+            if static or (isinstance(e, TypeError) and "cond must be a bool" not in str(e)):
                 raise
             _STATIC_FLOAT_OPS.add(id(op))
             return kernel_for(op, args, kwargs)
