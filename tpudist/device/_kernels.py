@@ -141,6 +141,16 @@ def record_stream(x, stream):
     return None
 
 
+def _inplace_view(view_op):
+    """An in-place view op (``transpose_``, ``squeeze_``, ``as_strided_`` ...) as ``set_data`` with the
+    geometry of its out-of-place twin: torch's C++ kernels restride through ``setStorage``, which checks
+    the bytes of the storage (empty here: the values live in the storage's ``jax.Array``)."""
+    def kernel(x, *args, **kwargs):
+        x.data = view_op.redispatch(core.META, x, *args, **kwargs)
+        return x
+    return kernel
+
+
 _SPECIAL = {
     aten.empty.memory_format: empty,
     aten.empty_strided.default: empty_strided,
@@ -151,6 +161,11 @@ _SPECIAL = {
     aten.resize_.default: resize_,
     aten.set_.source_Tensor: set_source_tensor,
     aten.record_stream.default: record_stream,
+    **{inplace: _inplace_view(view) for inplace, view in (
+        (aten.as_strided_.default, aten.as_strided.default), (aten.transpose_.default, aten.transpose.int),
+        (aten.t_.default, aten.t.default), (aten.squeeze_.default, aten.squeeze.default),
+        (aten.squeeze_.dim, aten.squeeze.dim), (aten.squeeze_.dims, aten.squeeze.dims),
+        (aten.unsqueeze_.default, aten.unsqueeze.default))},
 }
 
 # View ops with no composite kernel (the others, detach/expand/transpose..., run torch's C++ composite,
