@@ -31,6 +31,7 @@ def _compare(tpu: list, gloo: list, fsdp: bool) -> None:
 RUNS_2 = {
     "ddp": fns.Run("ddp"),
     "fsdp": fns.Run("fsdp"),
+    "fsdp_fused": fns.Run("fsdp", mode="fused"),  # each collective is a sync point of the fused graph
 }
 RUNS_4 = {
     "ddp": fns.Run("ddp", mesh=(1, 4, 1)),
@@ -74,7 +75,7 @@ def test_device_collectives_make_no_host_copy(pool2):
         for name, *links in out["checks"]:
             assert links == [True] * 4, (rank, name, links)  # storages -> read -> collective -> write -> storages
         assert len(out["checks"]) == 5
-        assert set(out["host_conversions"].values()) == {0}, out["host_conversions"]
+        assert set(out["host_conversions"].values()) <= {0}, out["host_conversions"]
         assert out["controls"].get("as_numeric", 0) >= 1 and out["controls"].get("to_torch", 0) >= 1
         assert out["storage_types"] == ["ArrayImpl"]  # results are jax.Arrays on the device
         res = out["results"]
@@ -102,4 +103,6 @@ def test_mixed_devices_are_clear_errors(pool2):
         assert "rank 0 called all_reduce sum of 2 x float32" in message and "on tpu tensors" in message
         assert "rank 1 called all_reduce sum of 2 x float32" in message and "on cpu tensors" in message
         assert errors["send"].startswith("NotImplementedError: send of tpu tensors is not supported yet")
+        assert errors["expanded_output"].startswith("ValueError: all_reduce: output 0 has elements that share "
+                                                    "memory"), errors["expanded_output"]
         assert errors["after"] == [2.0, 2.0]  # the group still works

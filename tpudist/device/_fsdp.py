@@ -9,6 +9,12 @@ for tpu tensors: freeing drops the storage's ``jax.Array`` (its memory returns t
 leaves an unwritten storage (it reads as zeros until FSDP's all-gather copies into it). Other
 devices go to FSDP's own functions. The wrap happens when FSDP2's modules are imported (an import
 hook), so ``import tpudist.device`` does not pay FSDP's import time.
+
+Allocating can be a no-op because FSDP2 writes every element of a re-allocated storage before it
+reads one: the all-gather's copy-out (``split_with_sizes_copy``) fills the parameters' all-gather
+outputs, whose storages back the unsharded parameters. With the "tpu" process group those writes
+are device programs too (``tpudist.process_group.device_arrays``), on any number of ranks
+(``tests/test_device_dist.py``: 2 and 4 ranks, HSDP and FSDP+TP).
 """
 
 from __future__ import annotations

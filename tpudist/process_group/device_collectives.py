@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tpudist.process_group import device_arrays as da
-from tpudist.process_group.checks import check_numel, check_same_dtype
+from tpudist.process_group.checks import check_numel, check_output, check_same_dtype
 from tpudist.process_group.programs import ProgramKey
 from tpudist.process_group.work import Work
 
@@ -80,6 +80,8 @@ def _key(pg: Any, op: str, shape: tuple, dtype: str, reduce: str | None = None, 
 
 def _submit(pg: Any, op: str, key: ProgramKey, inputs: list, widths: list, layout: str,
             outputs: list, result: list, async_op: bool) -> Work:
+    for i, (t, _) in enumerate(outputs):
+        check_output(op, f"output {i}", t)  # an expanded view: one element, several results
     call = da.prepare(key, pg.rank(), inputs, widths, layout, outputs)
 
     def finish(new_values):
