@@ -87,6 +87,11 @@ class Kernel:
             if kind == "T":
                 _, slot, sizes, strides, offset, dtype = spec
                 leaves.append(_retype(views.read(flats[slot], sizes, strides, offset), tops.to_jax_dtype(dtype)))
+            elif kind == "B":  # a view with torch's lazy conjugate / negative bit: apply it on reading
+                _, slot, sizes, strides, offset, dtype, conj, neg = spec
+                value = _retype(views.read(flats[slot], sizes, strides, offset), tops.to_jax_dtype(dtype))
+                value = jnp.conj(value) if conj else value
+                leaves.append(-value if neg else value)
             elif kind == "F":
                 leaves.append(_weak(sc[base + spec[1]]))
             elif kind == "C":
@@ -193,7 +198,11 @@ def _signature(op, args, kwargs, static_floats: bool):
                 if slot is None:
                     slot = slot_of[id(buf)] = len(buffers)
                     buffers.append(buf)
-                sig.append(("T", slot, tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype))
+                geometry = (slot, tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype)
+                if x.is_conj() or x.is_neg():  # torch's conj fallback reaches us with the bit still set
+                    sig.append(("B", *geometry, x.is_conj(), x.is_neg()))
+                else:
+                    sig.append(("T", *geometry))
             elif x.dim() == 0 and x.device.type == "cpu":
                 if x.dtype.is_floating_point and not static_floats:
                     sig.append(("C", len(scalars), x.dtype))
@@ -248,6 +257,9 @@ def _build(op, key, leaves):
             value = args[i] if i < len(args) else kwargs.get(a.name)
             targets.extend(tree_flatten(value)[0])
         for t in targets:
+            if sig[t][0] == "B":
+                raise tops.UnsupportedOp(op, " (writing through a lazily conjugated or negated view; "
+                                             "call resolve_conj() / resolve_neg() first)")
             if sig[t][0] != "T":
                 raise _device_mismatch(op, leaves[t])
         # out= with a shape change: the meta kernel resized the meta out tensor

@@ -82,9 +82,10 @@ def copy_(dst, src, non_blocking=False):
             return core.execute(aten.copy_.default, (dst, src), {})
         core.copy_from_cpu(dst, src)
         return dst
-    # dst on the host, src on the device
+    # dst on the host, src on the device; torch's storages hold unconjugated values, as ours do
     host = core.to_cpu(src)
-    dst.copy_(host)
+    host = host.conj_physical() if src.is_conj() else host
+    dst.copy_(host.neg() if src.is_neg() else host)
     return dst
 
 
