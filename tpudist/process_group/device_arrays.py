@@ -197,11 +197,15 @@ stats = {"hits": 0, "misses": 0}
 
 def program(call: DeviceCall) -> Compiled:
     """The compiled program for ``call``'s plan, built on first use."""
+    from tpudist.process_group import runtime
+
     entry = (call.plan, programs._VERIFY.on)  # noqa: SLF001 - the switch every rank flips together
     compiled = _cache.get(entry)
     if compiled is not None:
-        stats["hits"] += 1
-        return compiled
+        if compiled.device is runtime.current().local_device:
+            stats["hits"] += 1
+            return compiled
+        clear_cache()  # built in an earlier world (its runtime was torn down by an abort)
     with _lock:
         compiled = _cache.get(entry)
         if compiled is None:
