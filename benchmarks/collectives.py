@@ -290,6 +290,7 @@ def main(argv=None) -> None:
     parser.add_argument("--exchanges", action="store_true",
                         help="time the candidate small-op exchanges as bare XLA programs")
     parser.add_argument("--train", action="store_true", help="also run the FSDP2 step (always with --quick)")
+    parser.add_argument("--no-train", action="store_true", help="--quick without the FSDP2 step")
     parser.add_argument("--train-steps", type=int, default=None, help="timed steps (default 10 quick, 20 full)")
     parser.add_argument("--plot", default=None, help="write a PNG of the tpu/gloo time ratio")
     parser.add_argument("--no-verify", action="store_true",
@@ -353,7 +354,7 @@ def main(argv=None) -> None:
 
     with RankPool(1, backend="tpu", timeout=600) as pool:
         py = pool.run(this.rank_python_overhead)[0]
-    if args.quick or args.train:
+    if (args.quick and not args.no_train) or args.train:
         steps = args.train_steps or (10 if args.quick else 20)
         for n in args.ranks:
             result = _train_step(n, steps, timeout=600)

@@ -267,7 +267,7 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         block = tz.as_numeric(t)
 
         def finish(out):
-            if root is None or root == self.rank():
+            if out is not dest and (root is None or root == self.rank()):  # dest: t's own memory
                 tz.write_numeric(t, out)
             return [t]
 
