@@ -344,11 +344,13 @@ def kernel_for(op, args, kwargs):
             for leaf, shape in e.resize:
                 leaves[leaf].resize_(shape)
             return kernel_for(op, args, kwargs)
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
-                jax.errors.TracerIntegerConversionError, TypeError) as e:
-            # A decomposition that checks a float argument (torch._check(delta > 0)) gets a tensor, not a
-            # bool, when the float is a program input: run the op with its floats as constants instead.
-            if static or (isinstance(e, TypeError) and "cond must be a bool" not in str(e)):
+        except TypeError as e:  # JAX's concretization errors are TypeErrors too
+            # A decomposition that branches on a float argument (torch._check(delta > 0) raises "cond
+            # must be a bool") gets a traced value when the float is a program input: run the op with its
+            # floats as constants instead.
+            concretization = isinstance(e, (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+                                            jax.errors.TracerIntegerConversionError))
+            if static or not (concretization or "cond must be a bool" in str(e)):
                 raise
             _STATIC_FLOAT_OPS.add(id(op))
             return kernel_for(op, args, kwargs)
