@@ -310,9 +310,14 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
 def loop_idle(key: ProgramKey, small: bool) -> bool:
     """Whether gloo's loop thread runs in SCHED_IDLE for this program (runtime.GlooLoop).
 
-    Measured (benchmarks/collectives.py --loop-ab): idle helps the latency-bound envelope
-    exchange, and slows one-way bulk transfers, which every larger lowering is made of (ppermutes).
-    Switching costs a syscall only when consecutive programs differ.
+    Issue 15 measured idle scheduling helping the latency-bound exchange (bare 4-byte psum
+    0.85-30x -> 0.96-1.25x gloo) and slowing one-way bulk transfers (64 MiB ppermute 1.22x ->
+    1.36x), which every larger lowering is made of. ``benchmarks/collectives.py --loop-ab`` on a
+    loaded 2-core machine (tpu/gloo medians, 2 and 4 ranks): 4-byte all_reduce never idle
+    6.9-16.6x, always idle 2.4-4.2x, per program 4.5-4.7x; at 1 MiB no policy won consistently
+    (all_to_all per program 0.98-2.7x, always idle 3.5x, never 3.0-4.2x). So: idle for programs
+    that are only the envelope, normal for programs that move data. The switch is one syscall
+    (1-2 us), made only when consecutive programs differ.
     """
     return small
 
