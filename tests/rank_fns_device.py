@@ -278,3 +278,33 @@ def mixed_devices() -> dict:
     dist.all_reduce(t)
     errors["after"] = t.cpu().tolist()
     return errors
+
+
+def collectives(device: str) -> dict[str, torch.Tensor]:
+    """The c10d ops the training runs do not reach, on ``device`` tensors: uneven splits, roots,
+    list and coalesced forms, reduce ops, dtypes, a strided view as the in-place tensor."""
+    import tpudist.device  # noqa: F401
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    T = lambda t: t.to(device)
+    out = {}
+    t = T(torch.arange(5.0) + r); dist.reduce(t, dst=1); out["reduce"] = t
+    t = T(torch.arange(3.0) + 10 * r); g = [T(torch.zeros(3)) for _ in range(n)] if r == 0 else None
+    dist.gather(t, g, dst=0); out["gather"] = torch.stack(g) if g else torch.zeros(0)
+    o = T(torch.zeros(2)); sl = [T(torch.full((2,), float(i))) for i in range(n)] if r == 1 else None
+    dist.scatter(o, sl, src=1); out["scatter"] = o
+    insp = [1, 2] if r == 0 else [2, 2]  # rank 0 sends 1 to itself and 2 to rank 1; rank 1 2 and 2
+    outsp = [1, 2] if r == 0 else [2, 2]
+    a = T(torch.zeros(sum(outsp))); dist.all_to_all_single(a, T(torch.arange(float(sum(insp))) + 100 * r), outsp, insp); out["a2a_uneven"] = a
+    outs = [T(torch.zeros(2)) for _ in range(n)]; dist.all_to_all(outs, [T(torch.full((2,), 10.0 * r + i)) for i in range(n)]); out["a2a_list"] = torch.cat(outs)
+    ts = [T(torch.ones(3) * (r + 1)), T(torch.arange(2.0))]; dist.all_reduce_coalesced(ts); out["ar_coal"] = torch.cat(ts)
+    ol = [[T(torch.zeros(2)), T(torch.zeros(1))] for _ in range(n)]; dist.all_gather_coalesced(ol, [T(torch.full((2,), float(r))), T(torch.full((1,), 5.0 + r))]); out["ag_coal"] = torch.cat([x for row in ol for x in row])
+    rs = T(torch.zeros(2)); dist.reduce_scatter(rs, [T(torch.full((2,), float(i + r))) for i in range(n)]); out["rs_list"] = rs
+    m = T(torch.tensor([3.0, -1.0]) * (r + 1)); dist.all_reduce(m, dist.ReduceOp.MAX); out["max"] = m
+    p = T(torch.tensor([2, 3], dtype=torch.int32) + r); dist.all_reduce(p, dist.ReduceOp.PRODUCT); out["prod"] = p
+    av = T(torch.tensor([1.0, 3.0]) * (r + 1)); dist.all_reduce(av, dist.ReduceOp.AVG); out["avg"] = av
+    bf = T(torch.tensor([1.5, 2.25], dtype=torch.bfloat16) * (r + 1)); dist.all_reduce(bf); out["bf16"] = bf.float()
+    i64 = T(torch.tensor([2**40 + r], dtype=torch.int64)); dist.all_reduce(i64); out["i64"] = i64
+    big = T(torch.arange(5000.0) * (r + 1)); dist.all_reduce(big); out["big"] = big
+    v = T(torch.zeros(4, 3)); col = v[:, 1]; col.copy_(T(torch.arange(4.0) + r)); dist.all_reduce(col); out["strided_view"] = v
+    return {k: x.cpu() for k, x in out.items()}

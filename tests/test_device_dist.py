@@ -66,6 +66,15 @@ def test_dtensor_on_a_tpu_device_mesh_matches_gloo(pool2, pool4, world):
             torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{rank} {name}: {m}")
 
 
+def test_every_collective_on_device_equals_the_cpu_path(pool2):
+    """Device collectives run the CPU path's lowerings: the same bits as on CPU tensors (whose
+    correctness against gloo tests/test_collectives.py establishes)."""
+    for rank, (got, ref) in enumerate(zip(pool2.run(fns.collectives, "tpu"), pool2.run(fns.collectives, "cpu"))):
+        assert set(got) == set(ref)
+        for name, value in ref.items():
+            assert got[name].dtype == value.dtype and torch.equal(got[name], value), (rank, name, got[name], value)
+
+
 def test_device_collectives_make_no_host_copy(pool2):
     """The storages' own buffers enter the device programs, each program's outputs the next one, and
     the last one's outputs become the storages' values; no host conversion runs. Controls: the counters do see a CPU collective and
