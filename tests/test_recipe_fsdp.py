@@ -6,8 +6,8 @@ Each recipe's ``main`` also runs inside an existing process group (a RankPool), 
 
 On ``--device tpu`` (one rank, in its own pool: installing the device is for the whole process) the
 recipe's losses equal ``--device cpu`` within 1e-5 in each eager mode, with ``--variable-length``
-and with ``--kernels jax``. Until the process group takes device tensors, what needs it (DDP, several
-ranks) stops at start-up with an error that says what to do.
+and with ``--kernels jax``. A process group that cannot take device tensors stops the recipe at
+start-up with an error that says what to do.
 """
 
 from __future__ import annotations
@@ -84,11 +84,7 @@ VARIABLE = ["--seq-len", "48", "--variable-length", "--bucket-multiple", "16"]  
 @pytest.fixture(scope="module")
 def tpu1():
     with RankPool(1, timeout=300) as pool:  # a "tpu" world of one rank
-        def losses(*args):
-            return [loss for _, loss in pool.run(run_recipe, "train_fsdp.py", list(args))[0]]
-
-        losses.takes_device_tensors = lambda: pool.run(group_takes_device_tensors)[0]
-        yield losses
+        yield lambda *args: [loss for _, loss in pool.run(run_recipe, "train_fsdp.py", list(args))[0]]
 
 
 @pytest.fixture(scope="module")
@@ -138,28 +134,15 @@ def test_variable_length_lengths_vary_within_buckets():
     assert cfg.model_args().max_seq_len == 1024
 
 
-def group_takes_device_tensors() -> bool:
-    import torch
-    import torch.distributed as dist
+def test_tpu_device_on_a_group_without_device_tensors_says_what_to_do():
+    """DDP hands device tensors to the process group even on one rank; a group that cannot take them
+    (gloo here: plain python, a world of one) stops the recipe at start-up with the fix."""
+    import sys
 
-    import tpudist.device  # noqa: F401
-
-    try:
-        dist.all_reduce(torch.ones(1, device="tpu"))
-    except ValueError:
-        return False
-    return True
-
-
-def test_ddp_on_tpu_device_says_why_not_until_the_group_takes_device_tensors(tpu1):
-    """DDP hands device tensors to the process group even on one rank. Until the group takes them the
-    recipe stops at start-up with an error that says what to do; once it does, DDP and FSDP2 on device
-    tensors are the process group's tests (several ranks), and this one has nothing left to check."""
-    from tpudist.testing import RankError
-
-    if tpu1.takes_device_tensors():
-        pytest.skip("the tpu process group takes device tensors: DDP on the device runs")
-    with pytest.raises(RankError) as caught:
-        tpu1(*TINY, *DEVICE_STEPS, "--parallelism", "ddp", "--device", "tpu", "--eager-mode", "strict")
-    assert "device='tpu' with world_size=1 and parallelism='ddp' needs a process group that takes tpu " \
-           "tensors" in str(caught.value) and "pass --device cpu" in str(caught.value), str(caught.value)[-2000:]
+    command = [sys.executable, "recipes/train_fsdp.py", *TINY, "--steps", "1", "--backend", "gloo",
+               "--parallelism", "ddp", "--device", "tpu", "--eager-mode", "strict"]
+    returncode, out = run_command(command, cwd=REPO, timeout=TIMEOUT_S, env={"WORLD_SIZE": None, "RANK": None})
+    assert returncode != 0
+    assert ("ValueError: device='tpu' with world_size=1 and parallelism='ddp' needs a process group that takes "
+            "tpu tensors, and backend='gloo' does not yet") in out, out[-3000:]
+    assert "pass --device cpu" in out
