@@ -251,12 +251,28 @@ def pow_tensor_scalar(x, exponent):
     return jnp.power(upcast(x), exponent)
 
 
+def _integer_power(base, exponent):
+    """Integer ** integer as torch computes it: a negative exponent gives 0, except for base 1
+    (1) and base -1 (+-1 by the exponent's parity); jnp.power leaves those to the hardware."""
+    out = jnp.power(base, jnp.maximum(exponent, 0))
+    one = jnp.ones_like(out)
+    negative = jnp.where(base == 1, one, jnp.where(base == -1, jnp.where(exponent % 2 == 0, one, -one),
+                                                  jnp.zeros_like(out)))
+    return jnp.where(exponent < 0, negative, out)
+
+
+def _power(base, exponent):
+    if is_integral(base) and is_array(exponent) and is_integral(exponent):
+        return _integer_power(base, exponent)
+    return jnp.power(base, exponent)
+
+
 @lowers(aten.pow.Tensor_Tensor, prims.pow.default)
 def pow_tensor_tensor(x, y):
     x, y = promote(x, y)
     if is_array(x) and x.dtype == jnp.bool_:
         x, y = x.astype(jnp.int64), jnp.asarray(y).astype(jnp.int64)
-    return jnp.power(upcast(jnp.asarray(x)), upcast(jnp.asarray(y)) if is_array(y) else y)
+    return _power(upcast(jnp.asarray(x)), upcast(jnp.asarray(y)) if is_array(y) else y)
 
 
 @lowers(aten.pow.Scalar)
@@ -266,7 +282,7 @@ def pow_scalar(base, exponent):
     base, exponent = promote(base, exponent)
     if exponent.dtype == jnp.bool_:
         exponent = exponent.astype(jnp.int64)
-    return jnp.power(jnp.asarray(base, exponent.dtype), upcast(exponent))
+    return _power(jnp.asarray(base, exponent.dtype), upcast(exponent))
 
 
 @lowers(aten.maximum.default, prims.maximum.default)
