@@ -36,8 +36,9 @@ def test_ranks_that_disagree_get_an_error_not_garbage(pool, kind, expected):
 
 
 @pytest.mark.parametrize("kind,expected", [
-    ("meta_device", "ValueError: all_reduce: tensor is on device=meta, but tpudist ranks hold their data "
-                    "on the host (cpu) in this release; move it with .cpu()"),
+    ("meta_device", "ValueError: all_reduce: tensor is on device=meta; the tpu process group takes cpu "
+                    "tensors and 'tpu' device tensors (import tpudist.device), all of one call on one device: "
+                    "move it with .cpu() or .to('tpu')"),
     ("avg_int", "TypeError: all_reduce: reduce_op=AVG needs a floating or complex tensor, got "
                 "dtype=torch.int32; use SUM and divide"),
     ("band_float", "TypeError: all_reduce: reduce_op=BAND needs an integer or bool tensor, got "

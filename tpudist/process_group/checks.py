@@ -24,8 +24,9 @@ def check_device(op: str, t: Any) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
-        raise ValueError(f"{op}: tensor is on device={t.device}, but tpudist ranks hold their data on "
-                         "the host (cpu) in this release; move it with .cpu()")
+        raise ValueError(f"{op}: tensor is on device={t.device}; the tpu process group takes cpu tensors and "
+                         "'tpu' device tensors (import tpudist.device), all of one call on one device: move it "
+                         "with .cpu() or .to('tpu')")
     if t.is_sparse:
         raise TypeError(f"{op}: sparse tensors are not supported; pass t.to_dense()")
     return t
