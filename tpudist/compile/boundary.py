@@ -6,7 +6,7 @@ and placed with ``batched_device_put`` (zero-copy on the CPU client when aligned
 ``resize_``-based parameter freeing inside compiled blocks (FACTS.md). A non-contiguous input is
 made contiguous first; that temporary must outlive the program (XLA reads it asynchronously), so the
 caller keeps what :func:`to_jax` returns in ``keep`` until the results are ready.
-Results come back through DLPack (a view of XLA's buffer, no copy).
+Results come back as tensors over XLA's buffers (through their address; no copy).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
 # torch dtype -> (numpy dtype of the raw view, numpy dtype XLA sees)
 _NUMPY = {
@@ -121,8 +122,8 @@ def to_torch(array: Any, dtype: torch.dtype) -> torch.Tensor:
 def packed_outputs(flat: torch.Tensor, layout: list[tuple[int, tuple[int, ...]]]) -> list[torch.Tensor]:
     """Tensors of their own over one flat result buffer: ``(offset, shape)`` each, contiguous.
 
-    A program returns the results of one dtype as one buffer (one DLPack hand-over and one
-    deleter instead of one per result); each result is a tensor whose storage is that buffer (not
+    A program returns the results of one dtype as one buffer (one hand-over and one buffer to
+    free instead of one per result); each result is a tensor whose storage is that buffer (not
     a view: autograd and FSDP2 treat it as a fresh tensor)."""
     storage = flat.untyped_storage()
     base = flat.storage_offset()
@@ -130,17 +131,9 @@ def packed_outputs(flat: torch.Tensor, layout: list[tuple[int, tuple[int, ...]]]
     with torch.no_grad():
         for offset, shape in layout:
             t = torch.empty(0, dtype=flat.dtype)
-            t.set_(storage, base + offset, shape, _contiguous_strides(shape))
+            t.set_(storage, base + offset, shape, make_contiguous_strides_for(shape))
             out.append(t)
     return out
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def drop_leading(t: torch.Tensor, n: int = 1) -> torch.Tensor:

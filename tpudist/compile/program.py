@@ -199,8 +199,8 @@ class GraphProgram:
         """Which computed outputs leave the program alone, and which share one flat buffer per dtype.
 
         Outputs at graph positions >= ``pack_from`` are packed (AOTAutograd's saved activations in a
-        forward graph, every gradient of a backward graph): one DLPack hand-over and one buffer to
-        free instead of dozens. What the user gets back (a forward's own outputs) stays alone, so
+        forward graph, every gradient of a backward graph): one hand-over to torch and one buffer
+        to free instead of dozens. What the user gets back (a forward's own outputs) stays alone, so
         keeping a loss does not keep a step's activations alive."""
         if pack_from is None:
             return list(range(len(self._output_nodes))), []

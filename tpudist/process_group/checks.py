@@ -167,3 +167,33 @@ def check_outputs(op: str, what: str, tensors: list[torch.Tensor], disjoint: boo
                     "torch.empty_like for each, or the chunks of one tensor.")
         if tensors[i].numel():
             active.append(i)
+
+
+def check_even_all_to_all(op: str, n: int, input: torch.Tensor, output: torch.Tensor) -> None:
+    """all_to_all_single without split sizes: input.shape[0] divides by the group size and the
+    output holds as many elements as the input."""
+    if input.numel() != output.numel() or (input.dim() and input.shape[0] % n):
+        raise ValueError(f"{op}: without split sizes, input.shape[0] must divide by group size={n} "
+                         f"and output.numel() must equal input.numel(); got input.shape="
+                         f"{tuple(input.shape)}, output.shape={tuple(output.shape)}")
+
+
+def split_all_to_all(op: str, n: int, input: torch.Tensor, output: torch.Tensor, input_split_sizes: list,
+                     output_split_sizes: list) -> tuple[list, list]:
+    """all_to_all_single with split sizes: the checked sizes (an empty list: even splits), and the
+    input's and output's pieces along dim 0."""
+    in_splits = list(input_split_sizes) or [input.shape[0] // n] * n
+    out_splits = list(output_split_sizes) or [output.shape[0] // n] * n
+    for name, splits, t in (("input", in_splits, input), ("output", out_splits, output)):
+        if len(splits) != n or sum(splits) != (t.shape[0] if t.dim() else 1) or min(splits) < 0:
+            raise ValueError(f"{op}: {name}_split_sizes={splits} must be {n} non-negative sizes summing "
+                             f"to {name}.shape[0]={t.shape[0] if t.dim() else 1}")
+    inputs = list(torch.split(input, in_splits)) if input.dim() else [input]
+    outputs = list(torch.split(output, out_splits)) if output.dim() else [output]
+    return inputs, outputs
+
+
+def check_all_to_all_lists(op: str, n: int, output_tensors: list, input_tensors: list) -> None:
+    if len(output_tensors) != n or len(input_tensors) != n:
+        raise ValueError(f"{op}: needs size={n} input and output tensors, got {len(input_tensors)} inputs "
+                         f"and {len(output_tensors)} outputs")

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from tpudist.process_group import device_arrays as da
-from tpudist.process_group.checks import check_numel, check_output, check_same_dtype
+from tpudist.process_group.checks import (check_all_to_all_lists, check_even_all_to_all, check_numel, check_output,
+                                          check_same_dtype, split_all_to_all)
 from tpudist.process_group.programs import ProgramKey
 from tpudist.process_group.work import Work
 
@@ -282,29 +283,17 @@ def all_to_all_single(pg: Any, output: torch.Tensor, input: torch.Tensor, output
     check_all_on_device(op, output=[output], input=[input])
     check_same_dtype(op, [output, input])
     if not output_split_sizes and not input_split_sizes:
-        if input.numel() != output.numel() or (input.dim() and input.shape[0] % n):
-            raise ValueError(f"{op}: without split sizes, input.shape[0] must divide by group size={n} "
-                             f"and output.numel() must equal input.numel(); got input.shape="
-                             f"{tuple(input.shape)}, output.shape={tuple(output.shape)}")
+        check_even_all_to_all(op, n, input, output)
         key = _key(pg, "all_to_all", (n, input.numel() // n), _numeric(op, input.dtype))
         return _submit(pg, op, key, [input], [input.numel()], "flat", [(output, _flat(0, output.numel()))],
                        [output], opts.asyncOp)
-    in_splits = list(input_split_sizes) or [input.shape[0] // n] * n
-    out_splits = list(output_split_sizes) or [output.shape[0] // n] * n
-    for name, splits, t in (("input", in_splits, input), ("output", out_splits, output)):
-        if len(splits) != n or sum(splits) != (t.shape[0] if t.dim() else 1) or min(splits) < 0:
-            raise ValueError(f"{op}: {name}_split_sizes={splits} must be {n} non-negative sizes summing "
-                             f"to {name}.shape[0]={t.shape[0] if t.dim() else 1}")
-    inputs = list(torch.split(input, in_splits)) if input.dim() else [input]
-    outputs = list(torch.split(output, out_splits)) if output.dim() else [output]
+    inputs, outputs = split_all_to_all(op, n, input, output, input_split_sizes, output_split_sizes)
     return _all_to_all_ragged(pg, op, inputs, outputs, opts.asyncOp, [output])
 
 
 def all_to_all(pg: Any, output_tensors: list, input_tensors: list, opts: Any) -> Work:
     op, n = "all_to_all", pg.size()
-    if len(output_tensors) != n or len(input_tensors) != n:
-        raise ValueError(f"{op}: needs size={n} input and output tensors, got {len(input_tensors)} inputs "
-                         f"and {len(output_tensors)} outputs")
+    check_all_to_all_lists(op, n, output_tensors, input_tensors)
     check_all_on_device(op, output_tensor_list=output_tensors, input_tensor_list=input_tensors)
     check_same_dtype(op, [*input_tensors, *output_tensors])
     return _all_to_all_ragged(pg, op, list(input_tensors), list(output_tensors), opts.asyncOp,

@@ -17,8 +17,8 @@ import torch.distributed.distributed_c10d as c10d
 
 from tpudist.process_group import device_collectives as dc
 from tpudist.process_group import tensors as tz
-from tpudist.process_group.checks import (check_device, check_numel, check_output, check_outputs,
-                                          check_same_dtype)
+from tpudist.process_group.checks import (check_all_to_all_lists, check_device, check_even_all_to_all, check_numel,
+                                          check_output, check_outputs, check_same_dtype, split_all_to_all)
 from tpudist.process_group.work import Work
 
 
@@ -193,10 +193,7 @@ class DataMovement:
         check_same_dtype(op, [output, input])
         check_output(op, "output", output)  # may be the input itself: inputs are read first
         if not output_split_sizes and not input_split_sizes:
-            if input.numel() != output.numel() or (input.dim() and input.shape[0] % n):
-                raise ValueError(f"{op}: without split sizes, input.shape[0] must divide by group "
-                                 f"size={n} and output.numel() must equal input.numel(); got "
-                                 f"input.shape={tuple(input.shape)}, output.shape={tuple(output.shape)}")
+            check_even_all_to_all(op, n, input, output)
             unit = tz.byte_unit(tz.nbytes(input) // n)
             block = tz.raw(input, unit).reshape(n, -1)
             dest = tz.raw(output, unit).reshape(n, -1) if output.is_contiguous() else None
@@ -206,14 +203,7 @@ class DataMovement:
                 return [output]
 
             return self._submit(op, self._key("all_to_all", block), block, finish, opts.asyncOp, dest)
-        in_splits = list(input_split_sizes) or [input.shape[0] // n] * n
-        out_splits = list(output_split_sizes) or [output.shape[0] // n] * n
-        for name, splits, t in (("input", in_splits, input), ("output", out_splits, output)):
-            if len(splits) != n or sum(splits) != (t.shape[0] if t.dim() else 1) or min(splits) < 0:
-                raise ValueError(f"{op}: {name}_split_sizes={splits} must be {n} non-negative sizes "
-                                 f"summing to {name}.shape[0]={t.shape[0] if t.dim() else 1}")
-        inputs = list(torch.split(input, in_splits)) if input.dim() else [input]
-        outputs = list(torch.split(output, out_splits)) if output.dim() else [output]
+        inputs, outputs = split_all_to_all(op, n, input, output, input_split_sizes, output_split_sizes)
         return self._all_to_all_ragged(op, inputs, outputs, opts.asyncOp, result=[output])
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
@@ -221,9 +211,7 @@ class DataMovement:
         opts = opts or dist.AllToAllOptions()
         if dc.on_device(output_tensors, input_tensors):
             return dc.all_to_all(self, output_tensors, input_tensors, opts)
-        if len(output_tensors) != n or len(input_tensors) != n:
-            raise ValueError(f"{op}: needs size={n} input and output tensors, got "
-                             f"{len(input_tensors)} inputs and {len(output_tensors)} outputs")
+        check_all_to_all_lists(op, n, output_tensors, input_tensors)
         inputs = [check_device(op, t) for t in input_tensors]
         outputs = [check_device(op, t) for t in output_tensors]
         check_same_dtype(op, [*inputs, *outputs])
