@@ -304,10 +304,10 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
     rows, x_rows = _rows_buffer(key.group, envelope_aval, sharding, rt.local_device)
     return Compiled(envelope.plan(key, me, carries_data=fn is None), _envelope_program(key.group),
                     rows, x_rows, fn, lowering, fp, envelope_aval, avals, sharding, rt.local_device,
-                    loop_idle(key, fn is None), key.dtype in _WIDE)
+                    loop_idle(fn is None), key.dtype in _WIDE)
 
 
-def loop_idle(key: ProgramKey, small: bool) -> bool:
+def loop_idle(small: bool) -> bool:
     """Whether gloo's loop thread runs in SCHED_IDLE for this program (runtime.GlooLoop).
 
     Issue 15 measured idle scheduling helping the latency-bound exchange (bare 4-byte psum
