@@ -16,7 +16,6 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import torch
-from torch._prims_common import make_contiguous_strides_for
 
 # torch dtype -> (numpy dtype of the raw view, numpy dtype XLA sees)
 _NUMPY = {
@@ -119,8 +118,8 @@ def to_torch(array: Any, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(host.view(raw_dtype).copy()).view(dtype)
 
 
-def packed_outputs(flat: torch.Tensor, layout: list[tuple[int, tuple[int, ...]]]) -> list[torch.Tensor]:
-    """Tensors of their own over one flat result buffer: ``(offset, shape)`` each, contiguous.
+def packed_outputs(flat: torch.Tensor, layout: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) -> list[torch.Tensor]:
+    """Tensors of their own over one flat result buffer: ``(offset, shape, strides)`` each.
 
     A program returns the results of one dtype as one buffer (one hand-over and one buffer to
     free instead of one per result); each result is a tensor whose storage is that buffer (not
@@ -129,9 +128,9 @@ def packed_outputs(flat: torch.Tensor, layout: list[tuple[int, tuple[int, ...]]]
     base = flat.storage_offset()
     out = []
     with torch.no_grad():
-        for offset, shape in layout:
+        for offset, shape, strides in layout:
             t = torch.empty(0, dtype=flat.dtype)
-            t.set_(storage, base + offset, shape, make_contiguous_strides_for(shape))
+            t.set_(storage, base + offset, shape, strides)
             out.append(t)
     return out
 
