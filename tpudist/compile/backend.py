@@ -156,22 +156,9 @@ def _compiler(kind: str, opts: Options):
 
         raise_if_missing(gm.graph)
         return GraphProgram(gm, list(example_inputs), name=kind, collectives=collectives.for_graph(gm),
-                            xla_options=dict(opts.xla_options), pack_from=_pack_from(kind))
+                            xla_options=dict(opts.xla_options))
 
     return compile_graph
-
-
-def _pack_from(kind: str) -> int | None:
-    """The first graph output a program may return packed with others (see GraphProgram): every
-    gradient of a backward graph; in a forward graph the activations saved for backward, which
-    AOTAutograd places after the user's outputs. None (nothing packed) where that is not known."""
-    if kind == "backward":
-        return 0
-    if kind != "forward":
-        return None
-    context = torch._guards.TracingContext.try_get()  # noqa: SLF001
-    meta = getattr(context, "fw_metadata", None)
-    return getattr(meta, "num_forward", None)
 
 
 @contextlib.contextmanager

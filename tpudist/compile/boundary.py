@@ -118,23 +118,6 @@ def to_torch(array: Any, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(host.view(raw_dtype).copy()).view(dtype)
 
 
-def packed_outputs(flat: torch.Tensor, layout: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) -> list[torch.Tensor]:
-    """Tensors of their own over one flat result buffer: ``(offset, shape, strides)`` each.
-
-    A program returns the results of one dtype as one buffer (one hand-over and one buffer to
-    free instead of one per result); each result is a tensor whose storage is that buffer (not
-    a view: autograd and FSDP2 treat it as a fresh tensor)."""
-    storage = flat.untyped_storage()
-    base = flat.storage_offset()
-    out = []
-    with torch.no_grad():
-        for offset, shape, strides in layout:
-            t = torch.empty(0, dtype=flat.dtype)
-            t.set_(storage, base + offset, shape, strides)
-            out.append(t)
-    return out
-
-
 def drop_leading(t: torch.Tensor, n: int = 1) -> torch.Tensor:
     """A ``(1, ..., 1, *shape)`` block (``n`` ones) as a tensor of ``shape`` of its own over the same
     memory (not a view: FSDP2 warns about blocks returning views, whose in-place use would skip its

@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.fx
-from torch._prims_common import make_contiguous_strides_for
 
 from tpudist.compile import boundary, device_io
 from tpudist.compile.errors import UnsupportedGraph, missing_op_error, user_line
@@ -90,17 +89,6 @@ def _count_jax_cache_hits() -> None:
     jax.monitoring.register_event_listener(listener)
 
 
-_PACK_ALIGN_BYTES = 64  # each packed result starts on a 64-byte boundary (XLA:CPU's alignment)
-
-
-@dataclass(frozen=True, slots=True)
-class _Pack:
-    dtype: torch.dtype
-    indices: tuple[int, ...]  # into GraphProgram._output_nodes
-    layout: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]  # (offset in elements, shape, strides)
-    size: int  # elements, padding included
-
-
 @dataclass(frozen=True, slots=True)
 class _Output:
     kind: str  # "array" (index into the program's outputs), "input" (pass-through), "none", "value"
@@ -119,7 +107,7 @@ class GraphProgram:
     _boxed_call = True
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list, *, name: str,
-                 collectives: Any = None, xla_options: dict | None = None, pack_from: int | None = None):
+                 collectives: Any = None, xla_options: dict | None = None):
         import jax
 
         from tpudist.jax_cache import enable_persistent_cache
@@ -168,9 +156,6 @@ class GraphProgram:
             # d64) and 0.50x vs 0.59x (d256); pass xla_options={"xla_cpu_multi_thread_eigen": True} to undo.
             self._xla_options = {"xla_cpu_multi_thread_eigen": False, **self._xla_options}
         self._const_arrays = None
-        packable = pack_from is not None and collectives is None and not self._on_device
-        self._pack_from = pack_from if packable else None
-        self._single, self._packs = self._plan_packs(gm, self._pack_from)
         self.key = self._key()
         STATS.graphs += 1
         self._exe = self._executable()
@@ -196,70 +181,15 @@ class GraphProgram:
                 plan.append(_Output("value", value=arg))
         return plan, computed
 
-    def _plan_packs(self, gm, pack_from: int | None) -> tuple[list[int], list["_Pack"]]:
-        """Which computed outputs leave the program alone, and which share one flat buffer per dtype.
-
-        Outputs at graph positions >= ``pack_from`` are packed (AOTAutograd's saved activations in a
-        forward graph, every gradient of a backward graph): one hand-over to torch and one buffer
-        to free instead of dozens. What the user gets back (a forward's own outputs) stays alone, so
-        keeping a loss does not keep a step's activations alive."""
-        if pack_from is None:
-            return list(range(len(self._output_nodes))), []
-        out_node = next(n for n in gm.graph.nodes if n.op == "output")
-        position = {}
-        for pos, arg in enumerate(out_node.args[0]):
-            position.setdefault(arg, pos)
-        single, groups = [], {}
-        for i, node in enumerate(self._output_nodes):
-            if position[node] >= pack_from:
-                groups.setdefault(node.meta["val"].dtype, []).append(i)
-            else:
-                single.append(i)
-        packs = []
-        for dtype, indices in groups.items():
-            align = max(1, _PACK_ALIGN_BYTES // dtype.itemsize)  # XLA reads aligned inputs in place
-            layout, offset = [], 0
-            for i in indices:
-                shape = tuple(self._output_nodes[i].meta["val"].shape)
-                # strides once here: torch's make_contiguous_strides_for costs ~65 us a call (measured)
-                layout.append((offset, shape, tuple(make_contiguous_strides_for(shape))))
-                offset += -(-max(math.prod(shape), 1) // align) * align
-            packs.append(_Pack(dtype, tuple(indices), tuple(layout), offset))
-        return single, packs
-
-    def _arrange(self, outs: list) -> list:
-        """The program's results: the lone outputs, then one flat array per pack."""
-        if not self._packs:
-            return outs
-        import jax.numpy as jnp
-
-        arranged = [outs[i] for i in self._single]
-        for pack in self._packs:
-            pieces, end = [], 0
-            for i, (offset, _shape, _strides) in zip(pack.indices, pack.layout):
-                if offset > end:
-                    pieces.append(jnp.zeros(offset - end, outs[i].dtype))
-                pieces.append(outs[i].reshape(-1))
-                end = offset + outs[i].size
-            if pack.size > end:
-                pieces.append(jnp.zeros(pack.size - end, pieces[-1].dtype))
-            arranged.append(jnp.concatenate(pieces))
-        return arranged
-
     def _computed(self, outs: list) -> list[torch.Tensor]:
         """torch tensors of the computed outputs (CPU programs), in ``_output_nodes`` order."""
-        computed: list = [None] * len(self._output_nodes)
-        for j, i in enumerate(self._single):
-            computed[i] = boundary.to_torch(outs[j], self._output_nodes[i].meta["val"].dtype)
-        for p, pack in enumerate(self._packs):
-            flat = boundary.to_torch(outs[len(self._single) + p], pack.dtype)
-            for i, t in zip(pack.indices, boundary.packed_outputs(flat, list(pack.layout))):
-                computed[i] = t
-        return computed
+        # One buffer per result. Packing results into one buffer per dtype was measured slower:
+        # the concatenate inside the program cost more (8 of 33 ms of a dim-256 forward) than the
+        # hand-overs it saved (~4 us each).
+        return [boundary.to_torch(out, node.meta["val"].dtype) for out, node in zip(outs, self._output_nodes)]
 
     def _key(self) -> str:
         h = hashlib.sha256()
-        h.update(repr(self._pack_from).encode())
         code = self._gm.code
         h.update((code if self._collectives is None else self._collectives.canonical(code)).encode())
         h.update(repr([(a.shape, str(a.dtype)) for a in self._avals]).encode())
@@ -311,7 +241,7 @@ class GraphProgram:
             with keys(source):
                 outs = interpret(self._gm, list(arrays), consts, self._output_nodes, self._collectives)
             num_keys[0] = source.num_drawn
-            return self._arrange(outs)
+            return outs
 
         key_aval = jax.ShapeDtypeStruct((2,), np.uint32)
         const_avals = [jax.ShapeDtypeStruct(tuple(v.shape), _jax_dtype(v.dtype)) for _, v in self._constants]
