@@ -1,7 +1,9 @@
 """PyTorch's own c10d test suite on "tpu": a curated selection of ``distributed_test.py`` (shipped
 in the installed torch), run the way torch's ``test/distributed/test_distributed_spawn.py`` runs
-it (``tests/upstream/c10d_spawn.py``), once on gloo and once with the backend swapped for "tpu".
-Every selected test must pass on both: the same count.
+it (``tests/upstream/c10d_spawn.py``), with the backend swapped for "tpu". Every selected test must
+pass. Each was chosen because it passes on gloo at 2 ranks with the pinned torch; the gloo run that
+shows it (as long again: every test spawns fresh ranks) is left to ``TPUDIST_UPSTREAM_GLOO=1``,
+which runs each chunk on gloo first and requires the same outcome there.
 
 The swap is the one a user makes: the suite is imported and decides what to run and expect as for
 gloo, and ``init_process_group(backend="gloo")`` creates "tpu" instead. Tests of the suite that
@@ -73,13 +75,14 @@ def _run(backend: str, tests: list[str], tmp_path) -> dict[str, str]:
 @pytest.mark.parametrize("chunk", sorted(SELECTION))
 def test_torch_c10d_suite_passes_on_tpu_as_on_gloo(chunk, tmp_path):
     tests = SELECTION[chunk]
-    gloo = _run("gloo", tests, tmp_path)
-    tpu = _run("tpu", tests, tmp_path)
-    assert sorted(gloo) == sorted(tpu) == sorted(tests)
-    passed = {backend: sorted(t for t, o in outcome.items() if o == "passed")
-              for backend, outcome in (("gloo", gloo), ("tpu", tpu))}
-    assert passed["gloo"] == sorted(tests), {t: o for t, o in gloo.items() if o != "passed"}
-    assert passed["tpu"] == passed["gloo"], {t: o for t, o in tpu.items() if o != "passed"}
+    outcomes = {}
+    if os.environ.get("TPUDIST_UPSTREAM_GLOO") == "1":
+        outcomes["gloo"] = _run("gloo", tests, tmp_path)
+    outcomes["tpu"] = _run("tpu", tests, tmp_path)
+    for backend, outcome in outcomes.items():
+        assert sorted(outcome) == sorted(tests), (backend, sorted(outcome))
+        assert all(o == "passed" for o in outcome.values()), \
+            (backend, {t: o for t, o in outcome.items() if o != "passed"})
 
 
 def test_selection_and_known_gaps_name_tests_that_exist(tmp_path):
