@@ -200,6 +200,20 @@ def test_cpu_inputs_are_not_copied():
     assert jax.device_put(view).unsafe_buffer_pointer() == x.data_ptr()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_inputs_stay_resizable(dtype):
+    """A kernel's CPU inputs keep resizable storages: FSDP2 frees unsharded parameters with
+    ``resize_(0)``, which Tensor.numpy() would forbid for good."""
+    x, weight = torch.randn(4, 64, dtype=dtype), torch.ones(64, dtype=dtype, requires_grad=True)
+    out = rms_norm(x, weight, EPS)
+    out.float().sum().backward()
+    expected = rms_norm(x.clone(), weight.detach().clone(), EPS)
+    torch.testing.assert_close(out, expected)
+    for t in (x, weight):
+        t.untyped_storage().resize_(0)  # raises "not resizable" after Tensor.numpy()
+        assert t.untyped_storage().nbytes() == 0
+
+
 # -- compiled -----------------------------------------------------------------------------------------
 def _block(x, weight, q, k, v):
     return rms_norm(x, weight, EPS) * 2, attention(q, k, v, causal=True) + 1

@@ -13,54 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
-# torch dtype -> (numpy dtype of the raw view, numpy dtype XLA sees)
-_NUMPY = {
-    torch.bool: (np.bool_, np.bool_), torch.uint8: (np.uint8, np.uint8), torch.int8: (np.int8, np.int8),
-    torch.int16: (np.int16, np.int16), torch.int32: (np.int32, np.int32), torch.int64: (np.int64, np.int64),
-    torch.float16: (np.float16, np.float16), torch.bfloat16: (np.uint16, ml_dtypes.bfloat16),
-    torch.float32: (np.float32, np.float32), torch.float64: (np.float64, np.float64),
-    torch.complex64: (np.complex64, np.complex64), torch.complex128: (np.complex128, np.complex128),
-}
-
-
-class _Pointer:
-    """An object numpy turns into a view of ``nbytes`` at ``address`` (no copy, no storage flag);
-    ``owner`` (the memory's owner, if any) lives as long as the view."""
-
-    __slots__ = ("__array_interface__", "owner")
-
-    def __init__(self, address: int, shape: tuple[int, ...], typestr: str, owner: Any = None):
-        self.__array_interface__ = {"data": (address, False), "shape": shape, "typestr": typestr,
-                                    "version": 3}
-        self.owner = owner
-
-
-def numpy_view(t: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-    """A numpy view of ``t``'s data and the tensor it points into (``t``, or a contiguous copy).
-
-    Keep the second value alive while anything reads the view.
-    """
-    if t.device.type != "cpu":
-        raise TypeError(f"tensor on device={t.device} cannot enter a CPU program; the compile backend "
-                        "takes CPU tensors here ('tpu' device tensors go through device_io)")
-    try:
-        raw_dtype, xla_dtype = _NUMPY[t.dtype]
-    except KeyError:
-        raise TypeError(f"dtype={t.dtype} has no XLA equivalent; supported: "
-                        f"{', '.join(map(str, _NUMPY))}") from None
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.numel() == 0:
-        return np.empty(tuple(t.shape), xla_dtype), t
-    arr = np.asarray(_Pointer(t.data_ptr(), tuple(t.shape), np.dtype(raw_dtype).str))
-    return (arr if raw_dtype is xla_dtype else arr.view(xla_dtype)), t
-
+from tpudist._hostmem import NUMPY as _NUMPY
+from tpudist._hostmem import Pointer as _Pointer
+from tpudist._hostmem import numpy_view
 
 # Zero-copy arrays by (address, shape, dtype, device): a jax.Array that aliases a tensor's memory
 # stays valid for whatever tensor of that layout occupies the address later (it holds no data of its
@@ -81,7 +39,7 @@ def to_jax(tensors: list[Any], avals: list[Any], sharding: Any, device: Any, kee
         key = (t.data_ptr(), aval.shape, aval.dtype, device.id) if plain else None
         arr = _ALIASES.get(key) if plain else None
         if arr is None:
-            view, owner = numpy_view(t.detach())
+            view, owner = numpy_view(t.detach(), hold=False)
             keep.append(owner)
             arr = xla_client.batched_device_put(aval, sharding, [view], [device], True)
             if plain and arr.unsafe_buffer_pointer() == key[0]:

@@ -1,7 +1,7 @@
 """torch <-> JAX at a kernel call: CPU tensors in without a copy, JAX results out as torch views.
 
 Measured on this machine (FACTS.md, benchmarks/kernel_overhead.py): handing a jitted function the
-numpy view of a CPU tensor (``Tensor.numpy()``, ~1 us) costs ~10 us over passing it ``jax.Array``s,
+numpy view of a CPU tensor (from its address, ~1-2 us) costs ~10 us over passing it ``jax.Array``s,
 against 36-71 us for ``jax.dlpack.from_dlpack`` and 120-160 us for ``jax.device_put``; XLA:CPU reads
 the host buffer in place. Results come back as torch views of the JAX buffers through numpy
 (``np.asarray`` of a CPU ``jax.Array`` is a view): ~15 us per output less than ``torch.from_dlpack``
@@ -17,25 +17,19 @@ import contextlib
 import numpy as np
 import torch
 
+from tpudist._hostmem import numpy_view
+
 _X64_DTYPES = frozenset({torch.int64, torch.float64, torch.complex128, torch.uint64})
 _NULL = contextlib.nullcontext()
 
 
 def host_view(t: torch.Tensor | None):
-    """A numpy view of a CPU tensor (made contiguous first); bfloat16 through ml_dtypes."""
+    """A numpy view of a CPU tensor (made contiguous first; bfloat16 through ml_dtypes), built from
+    its address: never ``Tensor.numpy()``, which would leave the storage non-resizable for good
+    (FSDP2 frees parameters with ``resize_``). The view holds the tensor alive."""
     if t is None:
         return None
-    if t.requires_grad:
-        t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
-    return t.numpy()
+    return numpy_view(t)[0]
 
 
 def to_torch(array) -> torch.Tensor:

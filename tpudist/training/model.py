@@ -85,10 +85,7 @@ class RMSNorm(nn.Module):
         if self.kernels == "jax":
             from tpudist.kernels.library import rms_norm
 
-            # tpudist.kernels reads CPU tensors through Tensor.numpy(), which makes a storage
-            # non-resizable for good: FSDP2 could no longer free the unsharded weight. Hand it a copy.
-            weight = self.weight.clone() if self.weight.device.type == "cpu" else self.weight
-            return rms_norm(x, weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
