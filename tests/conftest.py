@@ -22,17 +22,3 @@ def pool4():
     with RankPool(4) as pool:
         yield pool
 
-
-# The longest modules first (from `pytest --durations`): with `--dist worksteal` (pyproject) a
-# worker that finishes early takes the other's short tests from the back of its queue, so the run
-# does not end waiting on one long test started last.
-_LONG_FIRST = ("test_upstream_c10d.py", "test_collectives.py", "test_device_dist.py", "test_compile_dist.py",
-               "test_recovery.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    def rank(item):
-        name = item.path.name
-        return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
-
-    items.sort(key=rank)  # stable: each module keeps its own order
