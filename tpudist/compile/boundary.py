@@ -11,7 +11,8 @@ Results come back as tensors over XLA's buffers (through their address; no copy)
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -26,6 +27,11 @@ from tpudist._hostmem import numpy_view
 # (17-45 us each, measured; a lookup is ~1 us). Only arrays XLA really aliased are kept.
 _ALIASES: dict[tuple, Any] = {}
 _ALIASES_MAX = 4096
+# Program results by (address, device): a result tensor entering a later program (the activations
+# a forward saves, going into the backward) enters as the very array XLA produced, without a new
+# device_put (a result's address changes from step to step, so the alias cache rarely knows it).
+# Weak: the tensor holds its array alive, and an entry goes with its array.
+_RESULTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def to_jax(tensors: list[Any], avals: list[Any], sharding: Any, device: Any, keep: list[Any]) -> list[Any]:
@@ -37,7 +43,11 @@ def to_jax(tensors: list[Any], avals: list[Any], sharding: Any, device: Any, kee
     for t, aval in zip(tensors, avals):
         plain = t.is_contiguous() and not (t.is_conj() or t.is_neg()) and t.numel() > 0
         key = (t.data_ptr(), aval.shape, aval.dtype, device.id) if plain else None
-        arr = _ALIASES.get(key) if plain else None
+        arr = None
+        if plain:
+            arr = _RESULTS.get((key[0], key[3]))
+            if arr is None or arr.shape != aval.shape or arr.dtype != aval.dtype:
+                arr = _ALIASES.get(key)
         if arr is None:
             view, owner = numpy_view(t.detach(), hold=False)
             keep.append(owner)
@@ -47,6 +57,41 @@ def to_jax(tensors: list[Any], avals: list[Any], sharding: Any, device: Any, kee
                     _ALIASES.clear()
                 _ALIASES[key] = arr
         out.append(arr)
+    return out
+
+
+class ResultLayout(NamedTuple):
+    """What :func:`results` needs of one program result, worked out once per program."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    typestr: str  # numpy's name of the raw element type
+    view_as: torch.dtype | None  # torch reads bfloat16 bits through int16/uint16
+    empty: bool
+
+
+def result_layout(val: torch.Tensor) -> ResultLayout:
+    raw = _NUMPY[val.dtype][0]
+    raw_torch = torch.from_numpy(np.empty(0, raw)).dtype
+    return ResultLayout(tuple(val.shape), val.dtype, np.dtype(raw).str,
+                        None if raw_torch == val.dtype else val.dtype, val.numel() == 0)
+
+
+def results(arrays: list[Any], layouts: list[ResultLayout], device_id: int) -> list[torch.Tensor]:
+    """:func:`to_torch` of a program's ready results, with each one's layout known in advance
+    (~6 us a result instead of 15-25 us); each array is remembered for :func:`to_jax`."""
+    out = []
+    for array, layout in zip(arrays, layouts):
+        try:
+            address = None if layout.empty else array.unsafe_buffer_pointer()
+        except (AttributeError, RuntimeError, ValueError):
+            address = None
+        if address is None:
+            out.append(to_torch(array, layout.dtype))
+            continue
+        t = torch.from_numpy(np.asarray(_Pointer(address, layout.shape, layout.typestr, array)))
+        out.append(t if layout.view_as is None else t.view(layout.view_as))
+        _RESULTS[(address, device_id)] = array
     return out
 
 
