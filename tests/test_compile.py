@@ -146,6 +146,15 @@ def test_boundary_does_not_copy_aligned_inputs():
     t.untyped_storage().resize_(0)  # what FSDP2 does to freed parameters: Tensor.numpy() would forbid it
 
 
+def _grads_equal_eager_then_clear(model, eager, tokens):
+    """The compiled step's gradients (already in ``model``) equal an eager step's; both cleared."""
+    _loss(eager, tokens, tokens).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    model.zero_grad(set_to_none=True)
+    eager.zero_grad(set_to_none=True)
+
+
 def test_results_are_tensors_of_their_own(trained):
     """Each result (every gradient, the loss) is a tensor over its own XLA buffer, exactly its size:
     no result keeps another's memory alive, and the values equal eager's."""
@@ -159,12 +168,7 @@ def test_results_are_tensors_of_their_own(trained):
     for r in results:
         assert r.is_contiguous() and r.storage_offset() == 0
         assert r.untyped_storage().nbytes() == r.numel() * r.element_size()
-    ref = _loss(eager, tokens, tokens)
-    ref.backward()
-    for p, q in zip(model.parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-    model.zero_grad(set_to_none=True)
-    eager.zero_grad(set_to_none=True)
+    _grads_equal_eager_then_clear(model, eager, tokens)
 
 
 def test_alias_cache_follows_the_memory_not_the_tensor():
@@ -207,12 +211,7 @@ def test_results_enter_later_programs_as_they_are(trained, monkeypatch):
     loss.backward()
     # At most the loss's incoming gradient (a fresh tensor) is put; the saved activations are not.
     assert len(puts) - forward_puts <= 1, puts[forward_puts:]
-    ref = _loss(eager, tokens, tokens)
-    ref.backward()
-    for p, q in zip(model.parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-    model.zero_grad(set_to_none=True)
-    eager.zero_grad(set_to_none=True)
+    _grads_equal_eager_then_clear(model, eager, tokens)
     monkeypatch.undo()
     x = torch.compile(lambda a: a + 1, backend="tpu", fullgraph=True, dynamic=False)(torch.ones(64, 64))
     address = x.data_ptr()
