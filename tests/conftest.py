@@ -21,4 +21,3 @@ def pool4():
     """Four "tpu" ranks shared by the tests of one module."""
     with RankPool(4) as pool:
         yield pool
-

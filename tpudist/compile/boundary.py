@@ -12,7 +12,7 @@ Results come back as tensors over XLA's buffers (through their address; no copy)
 from __future__ import annotations
 
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,37 +60,35 @@ def to_jax(tensors: list[Any], avals: list[Any], sharding: Any, device: Any, kee
     return out
 
 
-class ResultLayout(NamedTuple):
-    """What :func:`results` needs of one program result, worked out once per program."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    typestr: str  # numpy's name of the raw element type
-    view_as: torch.dtype | None  # torch reads bfloat16 bits through int16/uint16
-    empty: bool
+# torch dtype -> (numpy's name of the raw element type, the dtype torch views the raw tensor as, or
+# None where torch reads it as it is): bfloat16 comes through uint16.
+_RAW = {dtype: (np.dtype(raw).str, None if torch.from_numpy(np.empty(0, raw)).dtype == dtype else dtype)
+        for dtype, (raw, _) in _NUMPY.items()}
 
 
-def result_layout(val: torch.Tensor) -> ResultLayout:
-    raw = _NUMPY[val.dtype][0]
-    raw_torch = torch.from_numpy(np.empty(0, raw)).dtype
-    return ResultLayout(tuple(val.shape), val.dtype, np.dtype(raw).str,
-                        None if raw_torch == val.dtype else val.dtype, val.numel() == 0)
+def _over_buffer(array: Any, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor | None, int | None]:
+    """A tensor over a ready single-device array's buffer and the buffer's address (no copy; the
+    tensor holds the array alive), or (None, None) where the address is not available."""
+    try:
+        address = array.unsafe_buffer_pointer()
+    except (AttributeError, RuntimeError, ValueError):
+        return None, None
+    typestr, view_as = _RAW[dtype]
+    t = torch.from_numpy(np.asarray(_Pointer(address, shape, typestr, array)))
+    return (t if view_as is None else t.view(view_as)), address
 
 
-def results(arrays: list[Any], layouts: list[ResultLayout], device_id: int) -> list[torch.Tensor]:
-    """:func:`to_torch` of a program's ready results, with each one's layout known in advance
-    (~6 us a result instead of 15-25 us); each array is remembered for :func:`to_jax`."""
+def results(arrays: list[Any], types: list[tuple[tuple[int, ...], torch.dtype]], device_id: int) -> list[torch.Tensor]:
+    """:func:`to_torch` of a program's ready results, each one's (shape, dtype) known in advance
+    (~6 us a result instead of 15-25 us: no reading them off the array); each array is remembered
+    for :func:`to_jax`."""
     out = []
-    for array, layout in zip(arrays, layouts):
-        try:
-            address = None if layout.empty else array.unsafe_buffer_pointer()
-        except (AttributeError, RuntimeError, ValueError):
-            address = None
-        if address is None:
-            out.append(to_torch(array, layout.dtype))
+    for array, (shape, dtype) in zip(arrays, types):
+        t, address = (None, None) if 0 in shape else _over_buffer(array, shape, dtype)
+        if t is None:
+            out.append(to_torch(array, dtype))
             continue
-        t = torch.from_numpy(np.asarray(_Pointer(address, layout.shape, layout.typestr, array)))
-        out.append(t if layout.view_as is None else t.view(layout.view_as))
+        out.append(t)
         _RESULTS[(address, device_id)] = array
     return out
 
@@ -101,17 +99,12 @@ def to_torch(array: Any, dtype: torch.dtype) -> torch.Tensor:
     The buffer's address becomes a numpy view that holds the array alive, then a tensor: ~4 us,
     where DLPack's hand-over took 20-270 us per result (measured, the first after a program the
     most). DLPack, then one copy, where the address is not available."""
-    if array.size == 0:
-        return torch.empty(tuple(array.shape), dtype=dtype)
-    try:
-        address = array.unsafe_buffer_pointer()
-    except (AttributeError, RuntimeError, ValueError):
-        address = None
-    if address is not None:
-        raw_dtype = _NUMPY[dtype][0]
-        view = np.asarray(_Pointer(address, tuple(array.shape), np.dtype(raw_dtype).str, array))
-        out = torch.from_numpy(view)
-        return out if out.dtype == dtype else out.view(dtype)
+    shape = tuple(array.shape)
+    if 0 in shape:
+        return torch.empty(shape, dtype=dtype)
+    t, _ = _over_buffer(array, shape, dtype)
+    if t is not None:
+        return t
     try:
         return torch.from_dlpack(array)
     except (BufferError, RuntimeError, TypeError):
