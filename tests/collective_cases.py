@@ -8,6 +8,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from tpudist.process_group import programs
+from tpudist.process_group.group import ProcessGroupTPU
+
 R = dist.ReduceOp
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -57,8 +60,6 @@ def member(spec) -> bool:
 
 def on_path(small: bool, fn, *args):
     """Runs ``fn`` with the envelope path for small collectives on or off (every rank alike)."""
-    from tpudist.process_group import programs
-
     with programs.small_collectives(small):
         return fn(*args)
 
@@ -94,9 +95,30 @@ def same(a, b, dtype) -> str | None:
     return None
 
 
-def run_both(label, fn, outputs_of, dtype, problems, reference=None):
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _count_calls(cls, name: str) -> list[int]:
+    """Counts calls of ``cls.name`` in this rank process from now on: ``[calls]``."""
+    method = getattr(cls, name)
+    counter = getattr(method, "calls", None)
+    if counter is None:
+        counter = [0]
+
+        def counted(*args, **kwargs):
+            counter[0] += 1
+            return method(*args, **kwargs)
+
+        counted.calls = counter
+        setattr(cls, name, counted)
+    return counter
+
+
+def run_both(label, fn, outputs_of, dtype, problems, reference=None) -> str:
     """Runs ``fn(group)`` on tpu and gloo; both must raise or both match. Where gloo refuses a
-    dtype that tpu supports, ``reference()`` (computed from every rank's known inputs) decides."""
+    dtype that tpu supports, ``reference()`` (computed from every rank's known inputs) decides.
+    Returns how tpu's call ended ("ok" or "err")."""
     results = []
     for backend_index in (0, 1):
         try:
@@ -105,22 +127,23 @@ def run_both(label, fn, outputs_of, dtype, problems, reference=None):
             results.append(("err", f"{type(e).__name__}: {e}"[:200], traceback.format_exc()))
     (s_tpu, v_tpu, *_), (s_gloo, v_gloo, *_) = results
     if s_tpu == "err" and s_gloo == "err":
-        return
+        return s_tpu
     if s_tpu == "ok" and s_gloo == "err" and reference is not None:
         s_gloo, v_gloo = "ok", reference()
     if s_tpu == "ok" and s_gloo == "err" and dtype in _GLOO_REFUSES and "Invalid scalar type" in v_gloo:
         # Data-moving ops run on raw bytes whatever the dtype, so the float16 case (same size)
         # covers int16's path; gloo has no int16 kernels to compare against.
-        return
+        return s_tpu
     if s_tpu != s_gloo:
         problems.append(f"{label}: tpu {s_tpu} {v_tpu if s_tpu == 'err' else ''} vs gloo {s_gloo} "
                         f"{v_gloo if s_gloo == 'err' else ''}")
-        return
+        return s_tpu
     for a, b in zip(v_tpu, v_gloo, strict=True):
         diff = same(a, b, dtype)
         if diff:
             problems.append(f"{label}: {diff}")
-            return
+            break
+    return s_tpu
 
 
 def _fold(tensors, op: str, n: int):
@@ -150,18 +173,27 @@ def case_all_reduce(spec, reduce_ops=REDUCE_OPS, dtypes=DTYPES):
         return problems
     pair = groups(spec)
     n = dist.get_world_size(pair[0])
+    # Contiguous inputs take the flat path of small all_reduces (small.py) where the envelope is on.
+    layouts = [noncontig, _as_is] if programs.small_enabled() else [noncontig]
+    flat_calls = _count_calls(ProcessGroupTPU, "_run_small")
     for seed, (op, dtype, shape) in enumerate(matrix(reduce_ops, dtypes)):
-        inputs = [noncontig(make(shape, dtype, seed)), noncontig(make(shape, dtype, seed))]
+        for layout in layouts:
+            inputs = [layout(make(shape, dtype, seed)), layout(make(shape, dtype, seed))]
 
-        def fn(i, op=op, inputs=inputs):
-            dist.all_reduce(inputs[i], getattr(R, op), group=pair[i])
-            return inputs[i]
+            def fn(i, op=op, inputs=inputs):
+                dist.all_reduce(inputs[i], getattr(R, op), group=pair[i])
+                return inputs[i]
 
-        def reference(op=op, dtype=dtype, shape=shape, seed=seed):
-            ranks = spec or range(dist.get_world_size())
-            return [_fold([make(shape, dtype, seed, rank=r) for r in ranks], op, len(ranks))]
+            def reference(op=op, dtype=dtype, shape=shape, seed=seed):
+                ranks = spec or range(dist.get_world_size())
+                return [_fold([make(shape, dtype, seed, rank=r) for r in ranks], op, len(ranks))]
 
-        run_both(f"all_reduce {op} {dtype} {shape}", fn, lambda t: [t], dtype, problems, reference)
+            label = f"all_reduce {op} {dtype} {shape} {layout.__name__}"
+            before = flat_calls[0]
+            outcome = run_both(label, fn, lambda t: [t], dtype, problems, reference)
+            flat = flat_calls[0] > before
+            if layout is _as_is and flat != (outcome == "ok" and dtype != torch.bool):
+                problems.append(f"{label}: tpu {outcome}, {'took' if flat else 'did not take'} the flat path")
     # PREMUL_SUM: gloo refuses it; the reference is factor * SUM on gloo.
     for seed, dtype in enumerate([torch.float32, torch.bfloat16, torch.float64]):
         t, ref = make((6,), dtype, seed), make((6,), dtype, seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,10 @@ def mismatched_small(kind: str):
             dist.all_reduce(torch.ones(1 if r == 0 else LARGE))
         elif kind == "at_the_edge":  # exactly the payload against one element more
             dist.all_reduce(torch.ones(LARGE - 1 if r == 0 else LARGE))
+        elif kind == "flat_vs_flat":  # both on the flat all_reduce path, different reduce ops
+            dist.all_reduce(torch.ones(4), dist.ReduceOp.SUM if r == 0 else dist.ReduceOp.MAX)
+        elif kind == "flat_vs_general":  # bool takes the general path
+            dist.all_reduce(torch.ones(4) if r == 0 else torch.ones(4, dtype=torch.bool))
         elif kind == "barrier_vs_small":
             dist.barrier() if r == 0 else dist.broadcast(torch.ones(2), 0)
         outcome = "no error"
@@ -69,3 +74,66 @@ def mismatched_small(kind: str):
     dist.all_reduce(small)
     dist.all_reduce(large)
     return outcome, small.tolist(), [large[0].item(), large[-1].item()]
+
+
+def flat_all_reduce_edges():
+    """The flat path of small all_reduces (small.py) at its edges, each result beside what the
+    general path or a plain fold gives, and whether the flat path ran."""
+    from tpudist.process_group.group import ProcessGroupTPU
+
+    calls = []
+    flat = ProcessGroupTPU._run_small
+
+    def counted(*args):
+        calls.append(args[1].received)
+        return flat(*args)
+
+    ProcessGroupTPU._run_small = counted
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    try:
+        def run(name, t, op=dist.ReduceOp.SUM, **kwargs):
+            del calls[:]
+            try:
+                work = dist.all_reduce(t, op, **kwargs)
+                if work is not None:
+                    work.wait()
+                out[name] = (t.tolist(), len(calls))
+            except Exception as e:  # noqa: BLE001 - the error is the result
+                out[name] = (f"{type(e).__name__}: {e}", len(calls))
+
+        run("scalar", torch.tensor(float(r + 1)))
+        run("empty", torch.ones(0))
+        run("payload", torch.full((LARGE - 1,), float(r + 1)))  # exactly the payload: flat
+        run("over", torch.full((LARGE,), float(r + 1)))  # one element more: a data program
+        run("parameter", torch.nn.Parameter(torch.full((3,), float(r + 1))))
+        run("grad_fn", torch.full((3,), float(r + 1), requires_grad=True) * 1)
+        run("int_avg", torch.ones(2, dtype=torch.int32), dist.ReduceOp.AVG)  # refused: as general
+        run("bool", torch.tensor([r == 0, False]))  # general: written back as bool
+        run("premul", torch.ones(2), dist._make_nccl_premul_sum(3.0))
+        run("async", torch.ones(2), async_op=True)
+        # 16-bit floats sum in float32 on both paths: the same bits as the general path's.
+        for dtype in (torch.bfloat16, torch.float16):
+            vals = torch.tensor([1.0, 2.0**-9, 3.0 + r, -1.0], dtype=torch.float64) * (r + 1)
+            flat_t = vals.to(dtype)
+            general = vals.to(dtype).reshape(2, 2).t().contiguous().t()  # not contiguous: general
+            run(f"{dtype}_flat", flat_t)
+            run(f"{dtype}_general", general)
+            out[f"{dtype}_same_bits"] = torch.equal(flat_t.view(torch.int16),
+                                                    general.reshape(-1).view(torch.int16))
+        # A flat call behind a queued async one waits its turn (the general path queues it).
+        # Rank 1 comes late, so rank 0's async call is surely still running when its next comes.
+        big = torch.ones(LARGE)
+        if r == 1:
+            time.sleep(0.5)
+        work = dist.all_reduce(big, async_op=True)
+        run("behind_async", torch.full((2,), float(r + 1)))
+        work.wait()
+        out["big"] = [big[0].item(), big[-1].item()]
+        # A renamed group's calls carry its new name (the fingerprints hold the group's code).
+        sub = dist.new_group(list(range(n)))
+        run("subgroup", torch.full((2,), float(r + 1)), group=sub)
+    finally:
+        ProcessGroupTPU._run_small = flat
+    out["rank"] = r
+    return out

@@ -63,6 +63,8 @@ def test_refused_policy_change_warns_and_detaches():
     ("at_the_edge", [f"rank 0 called all_reduce sum of {fns.LARGE - 1} x float32",
                      f"rank 1 called all_reduce sum of {fns.LARGE} x float32"]),
     ("barrier_vs_small", ["rank 0 called barrier of 1 x int32", "rank 1 called broadcast of 2 x int32"]),
+    ("flat_vs_flat", ["rank 0 called all_reduce sum of 4 x float32", "rank 1 called all_reduce max of 4 x float32"]),
+    ("flat_vs_general", ["rank 0 called all_reduce sum of 4 x float32", "rank 1 called all_reduce max of 4 x uint8"]),
 ])
 def test_small_op_mismatch_raises_on_every_rank_and_the_group_stays_usable(pool2, kind, expected):
     for outcome, small, large in pool2.run(fns.mismatched_small, kind):
@@ -70,3 +72,28 @@ def test_small_op_mismatch_raises_on_every_rank_and_the_group_stays_usable(pool2
         for text in expected:
             assert text in outcome
         assert small == [2.0, 2.0] and large == [2.0, 2.0]  # no data moved, and the group works
+
+
+def test_flat_all_reduce_path_is_taken_where_it_applies_and_matches_the_general_path(pool2):
+    """Sync, contiguous, non-bool all_reduces that fit the envelope run the flat path (small.py);
+    the rest run the general path, with the same results and errors."""
+    total = 1.0 + 2.0  # rank r contributes r + 1
+    for out in pool2.run(fns.flat_all_reduce_edges):
+        assert out["scalar"] == (total, 1)
+        assert out["empty"] == ([], 1)
+        assert out["payload"] == ([total] * (fns.LARGE - 1), 1)
+        assert out["over"] == ([total] * fns.LARGE, 0)
+        assert out["parameter"] == ([total] * 3, 1) and out["grad_fn"] == ([total] * 3, 1)
+        message, flat_calls = out["int_avg"]
+        assert message.startswith("TypeError: all_reduce: reduce_op=AVG needs a floating") and flat_calls == 0
+        assert out["bool"] == ([True, False], 0)
+        assert out["premul"] == ([6.0, 6.0], 0) and out["async"] == ([2.0, 2.0], 0)
+        for dtype in ("torch.bfloat16", "torch.float16"):
+            assert out[f"{dtype}_flat"][1] == 1 and out[f"{dtype}_general"][1] == 0
+            assert out[f"{dtype}_same_bits"], out
+        result, flat_calls = out["behind_async"]
+        assert result == [total] * 2
+        if out["rank"] == 0:  # its async call waited for rank 1: this one queued behind it
+            assert flat_calls == 0
+        assert out["big"] == [2.0, 2.0]
+        assert out["subgroup"] == ([total] * 2, 1)

@@ -108,6 +108,12 @@ def fingerprints(rows: np.ndarray) -> np.ndarray:
     return rows[:, :FP_WORDS]
 
 
+def payload(rows: np.ndarray, nbytes: int, dtype: np.dtype) -> np.ndarray:
+    """The first ``nbytes`` of every row's payload as ``dtype``: ``(n, nbytes // itemsize)``."""
+    data = rows.view(np.uint8)[:, _OFFSET:_OFFSET + nbytes]  # rows are strided, bytes dense
+    return data.view(dtype) if nbytes % dtype.itemsize == 0 and nbytes else np.ascontiguousarray(data).view(dtype)
+
+
 def finish(plan: Plan, rows: np.ndarray) -> np.ndarray:
     """This rank's result from the rows it received (row r came from group rank r).
 
@@ -118,9 +124,7 @@ def finish(plan: Plan, rows: np.ndarray) -> np.ndarray:
     key, n = plan.key, len(plan.key.group)
     if key.op == "barrier":
         return np.zeros(key.shape, plan.dtype)
-    data = rows.view(np.uint8)[:, _OFFSET:_OFFSET + plan.row_bytes]  # rows are strided, bytes dense
-    data = data.view(plan.dtype) if plan.row_bytes % plan.dtype.itemsize == 0 and plan.row_bytes else \
-        np.ascontiguousarray(data).view(plan.dtype)
+    data = payload(rows, plan.row_bytes, plan.dtype)
     if key.op in ("all_reduce", "reduce_scatter"):
         part = key.shape if key.op == "all_reduce" else key.shape[1:]
         return fold(data.reshape(n, *part), key.reduce, key.static)
@@ -143,6 +147,24 @@ def fold(rows: np.ndarray, reduce: str, static: tuple = ()) -> np.ndarray:
         return _fold(rows, reduce, static)
 
 
+def fold_into(rows: np.ndarray, reduce: str, static: tuple, out: np.ndarray) -> None:
+    """:func:`fold` written into ``out`` (of the result's shape and dtype): by the reduction itself
+    where it computes in ``out``'s dtype, saving the intermediate and its copy."""
+    ufunc = _UFUNCS.get(reduce)
+    if ufunc is None or rows.dtype in _LOW_PRECISION:
+        np.copyto(out, fold(rows, reduce, static))
+    elif rows.dtype.kind in "iub":
+        ufunc.reduce(rows, 0, out=out)
+    else:
+        with np.errstate(all="ignore"):
+            ufunc.reduce(rows, 0, out=out)
+
+
+# The reductions that are one ufunc over the rows in their own dtype (sum widens 16-bit floats).
+_UFUNCS = {"sum": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum,
+           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+
+
 def _fold(rows: np.ndarray, reduce: str, static: tuple) -> np.ndarray:
     dtype = rows.dtype
     if reduce in ("sum", "avg", "premul_sum"):
@@ -153,6 +175,4 @@ def _fold(rows: np.ndarray, reduce: str, static: tuple) -> np.ndarray:
         if reduce == "avg":
             total = total / np.asarray(rows.shape[0], dtype=total.dtype)
         return np.asarray(total).astype(dtype, copy=False)
-    ufunc = {"product": np.multiply, "min": np.minimum, "max": np.maximum, "band": np.bitwise_and,
-             "bor": np.bitwise_or, "bxor": np.bitwise_xor}[reduce]
-    return np.asarray(ufunc.reduce(rows, axis=0, dtype=dtype))
+    return np.asarray(_UFUNCS[reduce].reduce(rows, axis=0, dtype=dtype))

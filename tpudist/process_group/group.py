@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from tpudist.process_group import debug, programs, runtime
+from tpudist.process_group import debug, envelope, programs, runtime, small
 from tpudist.process_group import device_arrays
 from tpudist.process_group import device_collectives as dc
 from tpudist.process_group import tensors as tz
@@ -29,6 +29,7 @@ from tpudist.process_group.checks import (STUCK_GRACE_S, check_device, check_num
 from tpudist.process_group.movement import DataMovement
 from tpudist.process_group.p2p import P2P
 from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.runtime import GLOO_LOOP
 from tpudist.process_group.work import (STREAM, CollectiveError, CollectiveMismatch,
                                         CollectiveTimeout, Work)
 
@@ -71,6 +72,7 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         self._desc = ""
         self._coalescing: list[Work] | None = None
         self._programs_run: dict[tuple[int, ...], int] = {}  # per device set: the call sequence
+        self._small: dict[tuple, small.SmallAllReduce | bool] = {}  # False: the general path
         if self._is_world:
             runtime.boot(store, global_ranks[rank], size, timeout, owner=self)
             _sync_device()  # the tpu device (if installed) is this rank's chip from now on
@@ -79,6 +81,7 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
                 f'a "tpu" subgroup (global_ranks={list(global_ranks)}) needs a "tpu" world group: '
                 'call init_process_group("tpu") rather than giving "tpu" to new_group only')
         self._detail = debug.for_group(self)  # TPUDIST_DEBUG=DETAIL: store-based checks, else None
+        self._inline = self._runs_inline()
         if size > 1:
             # XLA connects a device set's gloo context on its first collective, under a fixed 30 s
             # key-value timeout rather than the group's; connecting now keeps later collectives
@@ -93,6 +96,7 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
     def setGroupName(self, name: str) -> None:
         self._name = name
         self._group_code = programs.group_code(name)  # in every fingerprint: computed once
+        self._small.clear()  # their fingerprints and descriptions hold the name
 
     def getGroupName(self) -> str:
         return self._name
@@ -149,25 +153,33 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         try:
             result, fingerprints = compiled.run(block, fingerprint, dest)
         except Exception as e:  # XLA raises ValueError/JaxRuntimeError: make it a c10d-style error
-            for looks_like, error, what in _FAILURES:
-                if looks_like(e):
-                    missing = self._absent_ranks(key.group, seq)
-                    raise error(
-                        f"{self._describe(op)}: collective #{seq} over global ranks {list(key.group)} "
-                        f"{what.format(missing=missing, timeout=self._timeout.total_seconds())}. Rank "
-                        f"{self.rank()} saw: {e}") from e
-            raise CollectiveError(f"{self._describe(op)} failed on rank {self.rank()}: {e}") from e
+            raise self._failure(op, key.group, seq, e) from e
         if result is None or not (fingerprints == fingerprint).all():
-            self._programs_run[key.group] -= 1  # nothing ran: keep the ranks' counts aligned
-            names = {programs.group_code(g.group_name): g.group_name for g in _live_groups()}
-            mixed = len({int(fp[0]) & device_arrays.DEVICE_FLAG for fp in fingerprints}) > 1
-            calls = "; ".join(f"rank {r} called {device_arrays.describe_fingerprint(fp, names, mixed)}"
-                              for r, fp in enumerate(fingerprints))
-            raise CollectiveMismatch(
-                f"{self._describe(op)}: ranks issued different collectives ({calls}). Every rank of "
-                "a group must issue the same collectives, with the same shapes, dtypes and reduce "
-                "ops, in the same order; no data was exchanged.")
+            raise self._mismatch(op, key.group, fingerprints)
         return result
+
+    def _failure(self, op: str, device_set: tuple[int, ...], seq: int, e: Exception) -> CollectiveError:
+        """The c10d-style error for XLA's ``e`` (ValueError/JaxRuntimeError) at collective ``seq``."""
+        for looks_like, error, what in _FAILURES:
+            if looks_like(e):
+                missing = self._absent_ranks(device_set, seq)
+                return error(
+                    f"{self._describe(op)}: collective #{seq} over global ranks {list(device_set)} "
+                    f"{what.format(missing=missing, timeout=self._timeout.total_seconds())}. Rank "
+                    f"{self.rank()} saw: {e}")
+        return CollectiveError(f"{self._describe(op)} failed on rank {self.rank()}: {e}")
+
+    def _mismatch(self, op: str, device_set: tuple[int, ...], fingerprints: np.ndarray) -> CollectiveMismatch:
+        """Ranks sent different fingerprints: nothing ran. Takes this call back out of the count."""
+        self._programs_run[device_set] -= 1  # keep the ranks' counts aligned
+        names = {programs.group_code(g.group_name): g.group_name for g in _live_groups()}
+        mixed = len({int(fp[0]) & device_arrays.DEVICE_FLAG for fp in fingerprints}) > 1
+        calls = "; ".join(f"rank {r} called {device_arrays.describe_fingerprint(fp, names, mixed)}"
+                          for r, fp in enumerate(fingerprints))
+        return CollectiveMismatch(
+            f"{self._describe(op)}: ranks issued different collectives ({calls}). Every rank of "
+            "a group must issue the same collectives, with the same shapes, dtypes and reduce "
+            "ops, in the same order; no data was exchanged.")
 
     def _absent_ranks(self, device_set: tuple[int, ...], seq: int) -> list[int]:
         """After a timeout or a lost peer: the global ranks of ``device_set`` that did not also fail at
@@ -241,6 +253,10 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
     # -- reductions -------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
+        if opts is not None and len(tensors) == 1 and not opts.asyncOp:
+            work = self._small_all_reduce(tensors[0], opts)
+            if work is not None:
+                return work
         opts = opts or dist.AllreduceOptions()
         if dc.on_device(tensors):
             return dc.all_reduce(self, tensors, opts)
@@ -252,6 +268,41 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
             return sparse.sparse_all_reduce(self, t, opts.asyncOp)
         return self._reduce_into("all_reduce", self._one("all_reduce", tensors), opts.reduceOp,
                                  root=None, async_op=opts.asyncOp)
+
+    def _small_all_reduce(self, t: Any, opts: Any) -> Work | None:
+        """The flat path of a synchronous all_reduce whose data fits the envelope (small.py): the
+        general path's program, fingerprint check and errors in a few calls. None where it does not
+        apply (the general path runs): a tensor it would copy or check, a debug or coalescing
+        group, pending sends and recvs, queued collectives."""
+        if not (isinstance(t, torch.Tensor) and t.is_cpu and t.layout == torch.strided and t.is_contiguous()
+                and self._inline and self._coalescing is None and P2P.idle() and programs.small_enabled()):
+            return None
+        key = (t.dtype, t.shape, opts.reduceOp.op)
+        entry = self._small.get(key)
+        if entry is None:
+            entry = self._small[key] = small.build(self, t, opts.reduceOp) or False
+        if not entry:
+            return None
+        arr = t.detach() if t.requires_grad else t
+        arr = (arr if entry.view_as is None else arr.view(entry.view_as)).numpy()
+        return STREAM.run_now(Work(entry.description, self._timeout), self._run_small, entry, t, arr)
+
+    def _run_small(self, entry: small.SmallAllReduce, t: torch.Tensor, arr: np.ndarray) -> list[torch.Tensor]:
+        seq = self._programs_run[entry.group] = self._programs_run.get(entry.group, 0) + 1
+        fingerprint = entry.fingerprint
+        fingerprint[-1] = seq
+        entry.fingerprint_slot[...] = fingerprint
+        entry.payload[...] = arr.reshape(-1).view(np.uint8)
+        GLOO_LOOP.idle(entry.loop_idle)
+        try:
+            got = entry.exchange(entry.x_rows)[0]
+        except Exception as e:  # as _run_program
+            raise self._failure("all_reduce", entry.group, seq, e) from e
+        if got[:, :envelope.FP_WORDS].tobytes() != fingerprint.tobytes() * entry.n:
+            raise self._mismatch("all_reduce", entry.group, envelope.fingerprints(got))
+        data = envelope.payload(got, entry.nbytes, entry.dtype).reshape(entry.received)
+        envelope.fold_into(data, entry.reduce, entry.static, arr.view(entry.dtype))
+        return [t]
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
@@ -408,6 +459,7 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
     def shutdown(self) -> None:
         P2P.flush()
         STREAM.drain()
+        self._small.clear()  # they hold the runtime's arrays: the runtime is released with the world
         if self._is_world:
             runtime.shutdown(owner=self)
             STREAM.stop()  # no tpudist thread outlives the world
@@ -428,6 +480,12 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout = timeout
+        self._inline = self._runs_inline()
+
+    def _runs_inline(self) -> bool:
+        """Whether a synchronous collective may run in the caller's thread (else see _enqueue), with
+        no per-call checks besides the program's own (TPUDIST_DEBUG=DETAIL adds store checks)."""
+        return self._detail is None and self._timeout.total_seconds() >= runtime.current().collective_timeout_s
 
 
 # How XLA's failures read, what tpudist raises for them, and how the message puts it.

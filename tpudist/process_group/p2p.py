@@ -94,6 +94,10 @@ class PointToPoint:
                 self.cancel(error)
                 raise error
 
+    def idle(self) -> bool:
+        """Whether no send or recv is pending (so a collective may run without flushing first)."""
+        return not self._pending
+
     def cancel(self, error: BaseException) -> None:
         """Fails every pending send and recv with ``error`` (abort: none of them will run)."""
         pending, self._pending = self._pending, []

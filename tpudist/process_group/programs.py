@@ -170,6 +170,13 @@ verify_collectives = _VERIFY.scoped  # (enabled): the cross-rank check, for a sc
 _SMALL = Switch(True)
 small_collectives = _SMALL.scoped  # (enabled): the one-exchange path for small collectives
 
+
+
+def small_enabled() -> bool:
+    """Whether collectives that fit the envelope finish in its exchange (see small_collectives)."""
+    return _SMALL.on
+
+
 _meshes: dict[tuple[int, ...], Any] = {}
 _envelope_programs: dict[tuple[int, ...], Any] = {}
 _rows_buffers: dict[tuple[int, ...], tuple[np.ndarray, Any]] = {}

@@ -28,6 +28,11 @@ def numeric_supported(dtype: torch.dtype) -> bool:
     return dtype in _NUMERIC
 
 
+def transport_view(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a tensor of ``dtype`` is viewed as before ``.numpy()`` (None: itself)."""
+    return _VIEW_AS.get(dtype)
+
+
 def as_numeric(t: torch.Tensor) -> np.ndarray:
     """A numpy view of ``t`` (contiguous first) in the dtype XLA computes with."""
     t = t.detach().contiguous()

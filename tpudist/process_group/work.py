@@ -136,6 +136,18 @@ class CommStream:
             self._run(work, task, started=True)
         return work
 
+    def run_now(self, work: Work, fn: Callable[..., Any], *args: Any) -> Work | None:
+        """Runs ``fn(*args)`` as ``work`` in the caller's thread if nothing is queued, without a
+        closure or a queue entry (the flat path of small collectives, ``ProcessGroupTPU.allreduce``);
+        None, and nothing ran, if something is queued."""
+        with self._lock:
+            if self._pending:
+                return None
+            self._pending = 1
+            self._running.add(work)
+        self._run(work, fn, *args, started=True)
+        return work
+
     def drain(self) -> None:
         """Blocks until every queued collective has run."""
         with self._idle:
@@ -198,12 +210,12 @@ class CommStream:
             self._run(*item)
             del item  # an idle thread must not keep the last group (and its store) alive
 
-    def _run(self, work: Work, task: Callable[[], Any], started: bool = False) -> None:
+    def _run(self, work: Work, task: Callable[..., Any], *args: Any, started: bool = False) -> None:
         if not started:
             with self._lock:
                 self._running.add(work)
         try:
-            result, error = task(), None
+            result, error = task(*args), None
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the work
             result, error = None, e
         with self._idle:

@@ -1,0 +1,72 @@
+"""What a synchronous all_reduce small enough for the envelope needs per call, decided once.
+
+A 4-byte all_reduce's XLA program (the envelope exchange) costs ~15 us of main-thread CPU on this
+machine; the general path around it (``ProcessGroupTPU._reduce_into``) spent ~70 Python calls and
+75-150 us more: a closure and a description per call, the program lookup, the fingerprint built
+afresh, the envelope plan interpreted. Issue 15 asks for <= 50 us. ``ProcessGroupTPU.allreduce``
+takes a flat path instead where a :class:`SmallAllReduce` exists for the call's (dtype, shape,
+reduce op): the same program, the same fingerprint check (ranks that issue different collectives
+get ``CollectiveMismatch``) and the same errors, with every view it writes or reads made here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpudist.process_group import envelope, programs
+from tpudist.process_group import tensors as tz
+from tpudist.process_group.programs import Executable
+
+
+@dataclass(frozen=True, slots=True)
+class SmallAllReduce:
+    """One (group, dtype, shape, reduce op)'s flat all_reduce: its program and the views it uses."""
+
+    description: str  # the Work's, as the general path names it
+    group: tuple[int, ...]  # global ranks: the key of the group's call counter
+    n: int
+    exchange: Executable  # the group's envelope program
+    x_rows: Any  # the global array over ``rows``' memory
+    fingerprint: np.ndarray  # this rank's, group code in; the last word is the call number
+    fingerprint_slot: np.ndarray  # rows[:, :FP_WORDS]: where every row carries it
+    expected: int  # byte length of n fingerprints
+    payload: np.ndarray  # rows' data bytes, (n, nbytes) uint8: every row carries the whole block
+    view_as: torch.dtype | None  # the tensor's transport view (bfloat16 as int16), as tz.as_numeric
+    dtype: np.dtype  # the block's numpy dtype
+    nbytes: int
+    received: tuple[int, ...]  # (n, *shape): the received blocks, one per rank
+    reduce: str
+    static: tuple
+    loop_idle: bool
+
+
+def build(group: Any, t: torch.Tensor, reduce_op: Any) -> SmallAllReduce | None:
+    """The flat all_reduce of ``t``'s (dtype, shape) with ``reduce_op`` on ``group``; None where
+    the general path must run: bool (reduced as uint8, written back as bool), PREMUL_SUM (its factor
+    is per call), input the general path refuses (it raises the error), data over the envelope's
+    payload, or rows XLA would copy rather than read in place."""
+    if t.dtype == torch.bool or getattr(reduce_op, "op", reduce_op) == torch.distributed.ReduceOp.PREMUL_SUM:
+        return None
+    try:
+        reduce, static = group._reduce_name("all_reduce", reduce_op, t.dtype)  # noqa: SLF001
+    except (TypeError, ValueError):
+        return None
+    block = tz.as_numeric(t)
+    key = group._key("all_reduce", block, reduce, static)  # noqa: SLF001
+    if not envelope.fits(key):
+        return None
+    compiled = programs.program(key)
+    if compiled.fn is not None or compiled.x_rows is None:
+        return None
+    n, nbytes = len(key.group), block.nbytes
+    fingerprint = compiled.call_fingerprint(group._group_code, 0)  # noqa: SLF001
+    start = envelope.FP_WORDS * 4
+    return SmallAllReduce(
+        group._describe("all_reduce"), key.group, n, compiled.envelope_fn, compiled.x_rows,  # noqa: SLF001
+        fingerprint, compiled.rows[:, :envelope.FP_WORDS], fingerprint.nbytes * n,
+        compiled.rows.view(np.uint8)[:, start:start + nbytes], tz.transport_view(t.dtype), block.dtype,
+        nbytes, (n, *block.shape), reduce, static, compiled.loop_idle)
