@@ -278,6 +278,11 @@ def case_all_gather(spec):
         run_both(f"all_gather_single {dtype}",
                  lambda i: (dist.all_gather_single(outs[i], flat, group=pair[i]), outs[i])[1],
                  lambda t: [t], dtype, problems)
+        # into one contiguous tensor: the flat path (group.py's _flat_ready)
+        dense = [torch.zeros(n * 3, dtype=dtype) for _ in range(2)]
+        run_both(f"all_gather_single contiguous {dtype}",
+                 lambda i: (dist.all_gather_single(dense[i], flat, group=pair[i]), dense[i])[1],
+                 lambda t: [t], dtype, problems)
     return _each_dtype(spec, "all_gather", body)
 
 

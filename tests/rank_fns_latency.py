@@ -137,3 +137,55 @@ def flat_all_reduce_edges():
         ProcessGroupTPU._run_small = flat
     out["rank"] = r
     return out
+
+
+def flat_gather_scatter_edges():
+    """The flat paths of synchronous all_gather_into_tensor and reduce_scatter_tensor (FSDP2's
+    collectives): each result, and how many calls took the flat path."""
+    from tpudist.process_group.group import ProcessGroupTPU
+
+    calls = []
+    flat = ProcessGroupTPU._run_flat
+
+    def counted(*args):
+        calls.append(args[1])
+        return flat(*args)
+
+    ProcessGroupTPU._run_flat = counted
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    try:
+        def run(name, fn, result):
+            del calls[:]
+            try:
+                work = fn()
+                if work is not None:
+                    work.wait()
+                out[name] = (result.float().tolist(), len(calls))
+            except Exception as e:  # noqa: BLE001 - the error is the result
+                out[name] = (f"{type(e).__name__}: {e}", len(calls))
+
+        for numel in (3, LARGE):  # in the envelope, and a data program
+            inp, gathered = torch.full((numel,), float(r + 1)), torch.zeros(numel * n)
+            run(f"ag {numel}", lambda: dist.all_gather_into_tensor(gathered, inp), gathered)
+        # FSDP2's in-place form: the input is this rank's chunk of the output
+        gathered = torch.zeros(3 * n, dtype=torch.bfloat16)
+        gathered[3 * r:3 * r + 3] = r + 1
+        run("ag in place bf16", lambda: dist.all_gather_into_tensor(gathered, gathered[3 * r:3 * r + 3]),
+            gathered)
+        inp, gathered = torch.full((3,), float(r + 1)), torch.zeros(3 * n)
+        run("ag async", lambda: dist.all_gather_into_tensor(gathered, inp, async_op=True), gathered)
+        strided = torch.zeros(6 * n)[::2]
+        run("ag strided output", lambda: dist.all_gather_into_tensor(strided, inp), strided)
+        for numel in (2, LARGE):
+            inp, part = torch.arange(numel * n, dtype=torch.float32) + r, torch.zeros(numel)
+            run(f"rs {numel}", lambda: dist.reduce_scatter_tensor(part, inp), part)
+        inp, part = torch.arange(2 * n, dtype=torch.bfloat16) * (r + 1), torch.zeros(2, dtype=torch.bfloat16)
+        run("rs max bf16", lambda: dist.reduce_scatter_tensor(part, inp, dist.ReduceOp.MAX), part)
+        ints, ipart = torch.ones(2 * n, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+        run("rs int avg", lambda: dist.reduce_scatter_tensor(ipart, ints, dist.ReduceOp.AVG), ipart)
+        bools, bpart = torch.tensor([r == 0, False] * n), torch.zeros(2, dtype=torch.bool)
+        run("rs bool", lambda: dist.reduce_scatter_tensor(bpart, bools), bpart)
+    finally:
+        ProcessGroupTPU._run_flat = flat
+    return out

@@ -97,3 +97,23 @@ def test_flat_all_reduce_path_is_taken_where_it_applies_and_matches_the_general_
             assert flat_calls == 0
         assert out["big"] == [2.0, 2.0]
         assert out["subgroup"] == ([total] * 2, 1)
+
+
+def test_flat_all_gather_and_reduce_scatter_paths_match_the_general_path(pool2):
+    """Sync all_gather_into_tensor and reduce_scatter_tensor of contiguous CPU tensors (FSDP2's
+    collectives) skip the general path's machinery; the rest, and their errors, are unchanged."""
+    for out in pool2.run(fns.flat_gather_scatter_edges):
+        assert out["ag 3"] == ([1.0] * 3 + [2.0] * 3, 1)
+        assert out[f"ag {fns.LARGE}"] == ([1.0] * fns.LARGE + [2.0] * fns.LARGE, 1)
+        assert out["ag in place bf16"] == ([1.0] * 3 + [2.0] * 3, 1)
+        assert out["ag async"] == ([1.0] * 3 + [2.0] * 3, 0)
+        assert out["ag strided output"] == ([1.0] * 3 + [2.0] * 3, 0)
+        rank = out["rs 2"][0][0] != 1.0  # arange(4) + r summed over ranks: [1, 3, 5, 7], 2 each
+        assert out["rs 2"] == ([5.0, 7.0] if rank else [1.0, 3.0], 1)
+        large = [2.0 * (i + rank * fns.LARGE) + 1 for i in range(fns.LARGE)]
+        assert out[f"rs {fns.LARGE}"] == (large, 1)
+        assert out["rs max bf16"] == ([4.0, 6.0] if rank else [0.0, 2.0], 1)
+        message, flat_calls = out["rs int avg"]
+        assert message.startswith("TypeError: reduce_scatter_tensor: reduce_op=AVG needs a floating")
+        assert flat_calls == 0
+        assert out["rs bool"] == ([1.0, 0.0], 0)

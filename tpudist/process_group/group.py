@@ -304,6 +304,21 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         envelope.fold_into(data, entry.reduce, entry.static, arr.view(entry.dtype))
         return [t]
 
+    def _flat_ready(self, *tensors: Any) -> bool:
+        """Whether a synchronous call on ``tensors`` may skip the general path's queue and
+        per-call checks: contiguous CPU tensors, a group that runs inline, nothing pending."""
+        return (self._inline and self._coalescing is None and P2P.idle()
+                and all(isinstance(t, torch.Tensor) and t.is_cpu and t.layout == torch.strided
+                        and t.is_contiguous() for t in tensors))
+
+    def _run_flat(self, op: str, key: ProgramKey, block: np.ndarray, dest: np.ndarray,
+                  output: torch.Tensor) -> list[torch.Tensor]:
+        """A flat call's program (the general path's ``_run_program``), its result in ``dest``."""
+        result = self._run_program(op, key, block, dest)
+        if result is not dest:
+            np.copyto(dest, result.reshape(dest.shape))
+        return [output]
+
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
         if dc.on_device(tensors):
@@ -369,6 +384,10 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         op = "reduce_scatter_tensor"
+        if opts is not None and len(outputs) == 1 == len(inputs) and not opts.asyncOp:
+            work = self._flat_reduce_scatter(outputs[0], inputs[0], opts)
+            if work is not None:
+                return work
         opts = opts or dist.ReduceScatterOptions()
         if dc.on_device(outputs, inputs):
             return dc.reduce_scatter_tensors(self, outputs, inputs, opts)
@@ -384,6 +403,20 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         return self._reduce_scatter_block(op, block, outputs, opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _flat_reduce_scatter(self, out: Any, inp: Any, opts: Any) -> Work | None:
+        """A synchronous reduce_scatter_tensor (FSDP2's gradient reduction) without the general
+        path's per-call machinery: the same key, program and errors. None: the general path runs."""
+        n = self.size()
+        if not (self._flat_ready(out, inp) and out.dtype == inp.dtype and out.dtype != torch.bool
+                and inp.numel() == out.numel() * n):
+            return None
+        op = "reduce_scatter_tensor"
+        reduce, static = self._reduce_name(op, opts.reduceOp, out.dtype)
+        block = tz.as_numeric(inp).reshape(n, -1)
+        key = self._key("reduce_scatter", block, reduce, static)
+        return STREAM.run_now(Work(self._describe(op), self._timeout), self._run_flat, op, key, block,
+                              tz.as_numeric(out).reshape(-1), out)
 
     def _reduce_scatter_block(self, op: str, block: np.ndarray, outputs: list[torch.Tensor], opts):
         reduce, static = self._reduce_name(op, opts.reduceOp, outputs[0].dtype)

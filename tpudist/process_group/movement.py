@@ -19,12 +19,12 @@ from tpudist.process_group import device_collectives as dc
 from tpudist.process_group import tensors as tz
 from tpudist.process_group.checks import (check_all_to_all_lists, check_device, check_even_all_to_all, check_numel,
                                           check_output, check_outputs, check_same_dtype, split_all_to_all)
-from tpudist.process_group.work import Work
+from tpudist.process_group.work import STREAM, Work
 
 
 class DataMovement:
     """Mixed into ProcessGroupTPU: uses its ``_submit``, ``_enqueue``, ``_run_program``, ``_key``,
-    ``_one`` and ``_per_rank``."""
+    ``_one``, ``_per_rank``, ``_flat_ready`` and ``_run_flat``."""
 
     # -- data movement (raw bytes) ----------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -44,6 +44,10 @@ class DataMovement:
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         op = "all_gather_into_tensor"
+        if opts is not None and len(outputs) == 1 == len(inputs) and not opts.asyncOp:
+            work = self._flat_all_gather(outputs[0], inputs[0])
+            if work is not None:
+                return work
         opts = opts or c10d.AllgatherOptions()
         if dc.on_device(outputs, inputs):
             return dc.all_gather_tensors(self, outputs, inputs, opts)
@@ -68,6 +72,19 @@ class DataMovement:
         return work
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _flat_all_gather(self, out: Any, inp: Any) -> Work | None:
+        """A synchronous all_gather_into_tensor (FSDP2's unshard) without the general path's
+        per-call machinery: the key, program and errors of ``_gather_bytes`` for one even input.
+        None: the general path runs."""
+        n = self.size()
+        if not (self._flat_ready(out, inp) and out.dtype == inp.dtype and out.numel() == inp.numel() * n):
+            return None
+        op = "all_gather_into_tensor"
+        unit = tz.byte_unit(tz.nbytes(inp))
+        block = tz.raw(inp, unit)
+        return STREAM.run_now(Work(self._describe(op), self._timeout), self._run_flat, op,
+                              self._key("all_gather", block), block, tz.raw(out, unit).reshape(n, -1), out)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """``output_lists[r][k]`` receives rank r's input k (torch's docstring: one list per rank,
