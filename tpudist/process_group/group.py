@@ -1,8 +1,12 @@
-"""``ProcessGroupTPU``: the "tpu" c10d backend. Each collective runs as one XLA program.
+"""``ProcessGroupTPU``: the "tpu" c10d backend. Each collective runs as XLA programs: the envelope
+exchange, then the op's data program where its data does not fit the envelope (programs.py).
 
 torch calls the methods below (their names and argument shapes are c10d's); each validates its
 input, builds a :class:`~tpudist.process_group.programs.ProgramKey` and a host block, and submits
 the program to the process's comm stream. Results are written back into the caller's tensors.
+Synchronous all_reduce, all_gather_into_tensor and reduce_scatter_tensor calls on contiguous CPU
+tensors take flat paths (``_small_all_reduce``, ``_flat_all_gather``, ``_flat_reduce_scatter``):
+the same programs and errors, run on the caller's thread without the closures and queue.
 """
 
 from __future__ import annotations
