@@ -8,7 +8,9 @@ import time
 import torch
 import torch.distributed as dist
 
+import collective_cases as cc
 from tpudist.process_group import envelope
+from tpudist.process_group.group import ProcessGroupTPU
 
 _IDLE, _OTHER = os.SCHED_IDLE, os.SCHED_OTHER
 LARGE = envelope.PAYLOAD_BYTES // 4 + 1  # float32 elements: one more than the envelope carries
@@ -76,65 +78,60 @@ def mismatched_small(kind: str):
     return outcome, small.tolist(), [large[0].item(), large[-1].item()]
 
 
+def _flat_outcome(counter: list[int], call, result: torch.Tensor):
+    """Runs ``call`` (a collective, waited for if async): ``result`` as a list of floats, or the
+    error's type and text; and how many calls the ``counter`` counted meanwhile."""
+    before = counter[0]
+    try:
+        work = call()
+        if work is not None:
+            work.wait()
+        return result.float().tolist(), counter[0] - before
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return f"{type(e).__name__}: {e}", counter[0] - before
+
+
 def flat_all_reduce_edges():
     """The flat path of small all_reduces (small.py) at its edges, each result beside what the
     general path or a plain fold gives, and whether the flat path ran."""
-    from tpudist.process_group.group import ProcessGroupTPU
-
-    calls = []
-    flat = ProcessGroupTPU._run_small
-
-    def counted(*args):
-        calls.append(args[1].received)
-        return flat(*args)
-
-    ProcessGroupTPU._run_small = counted
+    flat_calls = cc._count_calls(ProcessGroupTPU, "_run_small")
     r, n = dist.get_rank(), dist.get_world_size()
     out = {}
-    try:
-        def run(name, t, op=dist.ReduceOp.SUM, **kwargs):
-            del calls[:]
-            try:
-                work = dist.all_reduce(t, op, **kwargs)
-                if work is not None:
-                    work.wait()
-                out[name] = (t.tolist(), len(calls))
-            except Exception as e:  # noqa: BLE001 - the error is the result
-                out[name] = (f"{type(e).__name__}: {e}", len(calls))
 
-        run("scalar", torch.tensor(float(r + 1)))
-        run("empty", torch.ones(0))
-        run("payload", torch.full((LARGE - 1,), float(r + 1)))  # exactly the payload: flat
-        run("over", torch.full((LARGE,), float(r + 1)))  # one element more: a data program
-        run("parameter", torch.nn.Parameter(torch.full((3,), float(r + 1))))
-        run("grad_fn", torch.full((3,), float(r + 1), requires_grad=True) * 1)
-        run("int_avg", torch.ones(2, dtype=torch.int32), dist.ReduceOp.AVG)  # refused: as general
-        run("bool", torch.tensor([r == 0, False]))  # general: written back as bool
-        run("premul", torch.ones(2), dist._make_nccl_premul_sum(3.0))
-        run("async", torch.ones(2), async_op=True)
-        # 16-bit floats sum in float32 on both paths: the same bits as the general path's.
-        for dtype in (torch.bfloat16, torch.float16):
-            vals = torch.tensor([1.0, 2.0**-9, 3.0 + r, -1.0], dtype=torch.float64) * (r + 1)
-            flat_t = vals.to(dtype)
-            general = vals.to(dtype).reshape(2, 2).t().contiguous().t()  # not contiguous: general
-            run(f"{dtype}_flat", flat_t)
-            run(f"{dtype}_general", general)
-            out[f"{dtype}_same_bits"] = torch.equal(flat_t.view(torch.int16),
-                                                    general.reshape(-1).view(torch.int16))
-        # A flat call behind a queued async one waits its turn (the general path queues it).
-        # Rank 1 comes late, so rank 0's async call is surely still running when its next comes.
-        big = torch.ones(LARGE)
-        if r == 1:
-            time.sleep(0.5)
-        work = dist.all_reduce(big, async_op=True)
-        run("behind_async", torch.full((2,), float(r + 1)))
-        work.wait()
-        out["big"] = [big[0].item(), big[-1].item()]
-        # A renamed group's calls carry its new name (the fingerprints hold the group's code).
-        sub = dist.new_group(list(range(n)))
-        run("subgroup", torch.full((2,), float(r + 1)), group=sub)
-    finally:
-        ProcessGroupTPU._run_small = flat
+    def run(name, t, op=dist.ReduceOp.SUM, **kwargs):
+        out[name] = _flat_outcome(flat_calls, lambda: dist.all_reduce(t, op, **kwargs), t)
+
+    run("scalar", torch.tensor(float(r + 1)))
+    run("empty", torch.ones(0))
+    run("payload", torch.full((LARGE - 1,), float(r + 1)))  # exactly the payload: flat
+    run("over", torch.full((LARGE,), float(r + 1)))  # one element more: a data program
+    run("parameter", torch.nn.Parameter(torch.full((3,), float(r + 1))))
+    run("grad_fn", torch.full((3,), float(r + 1), requires_grad=True) * 1)
+    run("int_avg", torch.ones(2, dtype=torch.int32), dist.ReduceOp.AVG)  # refused: as general
+    run("bool", torch.tensor([r == 0, False]))  # general: written back as bool
+    run("premul", torch.ones(2), dist._make_nccl_premul_sum(3.0))
+    run("async", torch.ones(2), async_op=True)
+    # 16-bit floats sum in float32 on both paths: the same bits as the general path's.
+    for dtype in (torch.bfloat16, torch.float16):
+        vals = torch.tensor([1.0, 2.0**-9, 3.0 + r, -1.0], dtype=torch.float64) * (r + 1)
+        flat_t = vals.to(dtype)
+        general = vals.to(dtype).reshape(2, 2).t().contiguous().t()  # not contiguous: general
+        run(f"{dtype}_flat", flat_t)
+        run(f"{dtype}_general", general)
+        out[f"{dtype}_same_bits"] = torch.equal(flat_t.view(torch.int16),
+                                                general.reshape(-1).view(torch.int16))
+    # A flat call behind a queued async one waits its turn (the general path queues it).
+    # Rank 1 comes late, so rank 0's async call is surely still running when its next comes.
+    big = torch.ones(LARGE)
+    if r == 1:
+        time.sleep(0.5)
+    work = dist.all_reduce(big, async_op=True)
+    run("behind_async", torch.full((2,), float(r + 1)))
+    work.wait()
+    out["big"] = [big[0].item(), big[-1].item()]
+    # A renamed group's calls carry its new name (the fingerprints hold the group's code).
+    sub = dist.new_group(list(range(n)))
+    run("subgroup", torch.full((2,), float(r + 1)), group=sub)
     out["rank"] = r
     return out
 
@@ -142,50 +139,32 @@ def flat_all_reduce_edges():
 def flat_gather_scatter_edges():
     """The flat paths of synchronous all_gather_into_tensor and reduce_scatter_tensor (FSDP2's
     collectives): each result, and how many calls took the flat path."""
-    from tpudist.process_group.group import ProcessGroupTPU
-
-    calls = []
-    flat = ProcessGroupTPU._run_flat
-
-    def counted(*args):
-        calls.append(args[1])
-        return flat(*args)
-
-    ProcessGroupTPU._run_flat = counted
+    flat_calls = cc._count_calls(ProcessGroupTPU, "_run_flat")
     r, n = dist.get_rank(), dist.get_world_size()
     out = {}
-    try:
-        def run(name, fn, result):
-            del calls[:]
-            try:
-                work = fn()
-                if work is not None:
-                    work.wait()
-                out[name] = (result.float().tolist(), len(calls))
-            except Exception as e:  # noqa: BLE001 - the error is the result
-                out[name] = (f"{type(e).__name__}: {e}", len(calls))
 
-        for numel in (3, LARGE):  # in the envelope, and a data program
-            inp, gathered = torch.full((numel,), float(r + 1)), torch.zeros(numel * n)
-            run(f"ag {numel}", lambda: dist.all_gather_into_tensor(gathered, inp), gathered)
-        # FSDP2's in-place form: the input is this rank's chunk of the output
-        gathered = torch.zeros(3 * n, dtype=torch.bfloat16)
-        gathered[3 * r:3 * r + 3] = r + 1
-        run("ag in place bf16", lambda: dist.all_gather_into_tensor(gathered, gathered[3 * r:3 * r + 3]),
-            gathered)
-        inp, gathered = torch.full((3,), float(r + 1)), torch.zeros(3 * n)
-        run("ag async", lambda: dist.all_gather_into_tensor(gathered, inp, async_op=True), gathered)
-        strided = torch.zeros(6 * n)[::2]
-        run("ag strided output", lambda: dist.all_gather_into_tensor(strided, inp), strided)
-        for numel in (2, LARGE):
-            inp, part = torch.arange(numel * n, dtype=torch.float32) + r, torch.zeros(numel)
-            run(f"rs {numel}", lambda: dist.reduce_scatter_tensor(part, inp), part)
-        inp, part = torch.arange(2 * n, dtype=torch.bfloat16) * (r + 1), torch.zeros(2, dtype=torch.bfloat16)
-        run("rs max bf16", lambda: dist.reduce_scatter_tensor(part, inp, dist.ReduceOp.MAX), part)
-        ints, ipart = torch.ones(2 * n, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
-        run("rs int avg", lambda: dist.reduce_scatter_tensor(ipart, ints, dist.ReduceOp.AVG), ipart)
-        bools, bpart = torch.tensor([r == 0, False] * n), torch.zeros(2, dtype=torch.bool)
-        run("rs bool", lambda: dist.reduce_scatter_tensor(bpart, bools), bpart)
-    finally:
-        ProcessGroupTPU._run_flat = flat
+    def run(name, fn, result):
+        out[name] = _flat_outcome(flat_calls, fn, result)
+
+    for numel in (3, LARGE):  # in the envelope, and a data program
+        inp, gathered = torch.full((numel,), float(r + 1)), torch.zeros(numel * n)
+        run(f"ag {numel}", lambda: dist.all_gather_into_tensor(gathered, inp), gathered)
+    # FSDP2's in-place form: the input is this rank's chunk of the output
+    gathered = torch.zeros(3 * n, dtype=torch.bfloat16)
+    gathered[3 * r:3 * r + 3] = r + 1
+    run("ag in place bf16", lambda: dist.all_gather_into_tensor(gathered, gathered[3 * r:3 * r + 3]),
+        gathered)
+    inp, gathered = torch.full((3,), float(r + 1)), torch.zeros(3 * n)
+    run("ag async", lambda: dist.all_gather_into_tensor(gathered, inp, async_op=True), gathered)
+    strided = torch.zeros(6 * n)[::2]
+    run("ag strided output", lambda: dist.all_gather_into_tensor(strided, inp), strided)
+    for numel in (2, LARGE):
+        inp, part = torch.arange(numel * n, dtype=torch.float32) + r, torch.zeros(numel)
+        run(f"rs {numel}", lambda: dist.reduce_scatter_tensor(part, inp), part)
+    inp, part = torch.arange(2 * n, dtype=torch.bfloat16) * (r + 1), torch.zeros(2, dtype=torch.bfloat16)
+    run("rs max bf16", lambda: dist.reduce_scatter_tensor(part, inp, dist.ReduceOp.MAX), part)
+    ints, ipart = torch.ones(2 * n, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    run("rs int avg", lambda: dist.reduce_scatter_tensor(ipart, ints, dist.ReduceOp.AVG), ipart)
+    bools, bpart = torch.tensor([r == 0, False] * n), torch.zeros(2, dtype=torch.bool)
+    run("rs bool", lambda: dist.reduce_scatter_tensor(bpart, bools), bpart)
     return out

@@ -278,8 +278,7 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         general path's program, fingerprint check and errors in a few calls. None where it does not
         apply (the general path runs): a tensor it would copy or check, a debug or coalescing
         group, pending sends and recvs, queued collectives."""
-        if not (isinstance(t, torch.Tensor) and t.is_cpu and t.layout == torch.strided and t.is_contiguous()
-                and self._inline and self._coalescing is None and P2P.idle() and programs.small_enabled()):
+        if not (self._flat_ready(t) and programs.small_enabled()):
             return None
         key = (t.dtype, t.shape, opts.reduceOp.op)
         entry = self._small.get(key)
@@ -302,7 +301,7 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
             got = entry.exchange(entry.x_rows)[0]
         except Exception as e:  # as _run_program
             raise self._failure("all_reduce", entry.group, seq, e) from e
-        if got[:, :envelope.FP_WORDS].tobytes() != fingerprint.tobytes() * entry.n:
+        if not programs.all_agree(envelope.fingerprints(got), fingerprint):
             raise self._mismatch("all_reduce", entry.group, envelope.fingerprints(got))
         data = envelope.payload(got, entry.nbytes, entry.dtype).reshape(entry.received)
         envelope.fold_into(data, entry.reduce, entry.static, arr.view(entry.dtype))
@@ -314,6 +313,12 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         return (self._inline and self._coalescing is None and P2P.idle()
                 and all(isinstance(t, torch.Tensor) and t.is_cpu and t.layout == torch.strided
                         and t.is_contiguous() for t in tensors))
+
+    def _flat(self, op: str, key: ProgramKey, block: np.ndarray, dest: np.ndarray,
+              output: torch.Tensor) -> Work | None:
+        """Runs a flat call of ``op`` now (None, and nothing ran, if a collective is queued)."""
+        return STREAM.run_now(Work(self._describe(op), self._timeout), self._run_flat, op, key, block,
+                              dest, output)
 
     def _run_flat(self, op: str, key: ProgramKey, block: np.ndarray, dest: np.ndarray,
                   output: torch.Tensor) -> list[torch.Tensor]:
@@ -419,8 +424,7 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         reduce, static = self._reduce_name(op, opts.reduceOp, out.dtype)
         block = tz.as_numeric(inp).reshape(n, -1)
         key = self._key("reduce_scatter", block, reduce, static)
-        return STREAM.run_now(Work(self._describe(op), self._timeout), self._run_flat, op, key, block,
-                              tz.as_numeric(out).reshape(-1), out)
+        return self._flat(op, key, block, tz.as_numeric(out).reshape(-1), out)
 
     def _reduce_scatter_block(self, op: str, block: np.ndarray, outputs: list[torch.Tensor], opts):
         reduce, static = self._reduce_name(op, opts.reduceOp, outputs[0].dtype)

@@ -19,12 +19,12 @@ from tpudist.process_group import device_collectives as dc
 from tpudist.process_group import tensors as tz
 from tpudist.process_group.checks import (check_all_to_all_lists, check_device, check_even_all_to_all, check_numel,
                                           check_output, check_outputs, check_same_dtype, split_all_to_all)
-from tpudist.process_group.work import STREAM, Work
+from tpudist.process_group.work import Work
 
 
 class DataMovement:
     """Mixed into ProcessGroupTPU: uses its ``_submit``, ``_enqueue``, ``_run_program``, ``_key``,
-    ``_one``, ``_per_rank``, ``_flat_ready`` and ``_run_flat``."""
+    ``_one``, ``_per_rank``, ``_flat_ready`` and ``_flat``."""
 
     # -- data movement (raw bytes) ----------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -83,8 +83,7 @@ class DataMovement:
         op = "all_gather_into_tensor"
         unit = tz.byte_unit(tz.nbytes(inp))
         block = tz.raw(inp, unit)
-        return STREAM.run_now(Work(self._describe(op), self._timeout), self._run_flat, op,
-                              self._key("all_gather", block), block, tz.raw(out, unit).reshape(n, -1), out)
+        return self._flat(op, self._key("all_gather", block), block, tz.raw(out, unit).reshape(n, -1), out)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """``output_lists[r][k]`` receives rank r's input k (torch's docstring: one list per rank,

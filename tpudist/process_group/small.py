@@ -28,12 +28,10 @@ class SmallAllReduce:
 
     description: str  # the Work's, as the general path names it
     group: tuple[int, ...]  # global ranks: the key of the group's call counter
-    n: int
     exchange: Executable  # the group's envelope program
     x_rows: Any  # the global array over ``rows``' memory
     fingerprint: np.ndarray  # this rank's, group code in; the last word is the call number
     fingerprint_slot: np.ndarray  # rows[:, :FP_WORDS]: where every row carries it
-    expected: int  # byte length of n fingerprints
     payload: np.ndarray  # rows' data bytes, (n, nbytes) uint8: every row carries the whole block
     view_as: torch.dtype | None  # the tensor's transport view (bfloat16 as int16), as tz.as_numeric
     dtype: np.dtype  # the block's numpy dtype
@@ -66,7 +64,7 @@ def build(group: Any, t: torch.Tensor, reduce_op: Any) -> SmallAllReduce | None:
     fingerprint = compiled.call_fingerprint(group._group_code, 0)  # noqa: SLF001
     start = envelope.FP_WORDS * 4
     return SmallAllReduce(
-        group._describe("all_reduce"), key.group, n, compiled.envelope_fn, compiled.x_rows,  # noqa: SLF001
-        fingerprint, compiled.rows[:, :envelope.FP_WORDS], fingerprint.nbytes * n,
+        group._describe("all_reduce"), key.group, compiled.envelope_fn, compiled.x_rows,  # noqa: SLF001
+        fingerprint, compiled.rows[:, :envelope.FP_WORDS],
         compiled.rows.view(np.uint8)[:, start:start + nbytes], tz.transport_view(t.dtype), block.dtype,
         nbytes, (n, *block.shape), reduce, static, compiled.loop_idle)
