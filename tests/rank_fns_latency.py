@@ -67,6 +67,11 @@ def mismatched_small(kind: str):
             dist.all_reduce(torch.ones(4), dist.ReduceOp.SUM if r == 0 else dist.ReduceOp.MAX)
         elif kind == "flat_vs_general":  # bool takes the general path
             dist.all_reduce(torch.ones(4) if r == 0 else torch.ones(4, dtype=torch.bool))
+        elif kind == "flat_broadcast_vs_flat_all_to_all":  # both flat, each with a data program
+            if r == 0:
+                dist.broadcast(torch.ones(LARGE * 2), 0)
+            else:
+                dist.all_to_all_single(torch.zeros(LARGE * 2), torch.ones(LARGE * 2))
         elif kind == "barrier_vs_small":
             dist.barrier() if r == 0 else dist.broadcast(torch.ones(2), 0)
         outcome = "no error"
@@ -167,4 +172,44 @@ def flat_gather_scatter_edges():
     run("rs int avg", lambda: dist.reduce_scatter_tensor(ipart, ints, dist.ReduceOp.AVG), ipart)
     bools, bpart = torch.tensor([r == 0, False] * n), torch.zeros(2, dtype=torch.bool)
     run("rs bool", lambda: dist.reduce_scatter_tensor(bpart, bools), bpart)
+    return out
+
+
+def flat_broadcast_all_to_all_edges():
+    """The flat paths of synchronous broadcast and even all_to_all_single: each result (or error),
+    and how many calls took the flat path."""
+    flat_calls = cc._count_calls(ProcessGroupTPU, "_run_flat")
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {"rank": r}
+
+    def run(name, fn, result):
+        out[name] = _flat_outcome(flat_calls, fn, result)
+
+    for numel, root in ((3, 0), (3, 1), (LARGE, 1)):  # in the envelope, and a data program
+        t = torch.full((numel,), float(10 * r + 1))
+        run(f"bc {numel} from {root}", lambda: dist.broadcast(t, root), t)
+    for dtype in (torch.bfloat16, torch.bool, torch.complex64):
+        t = (torch.arange(5) + 7 * r).to(dtype)
+        run(f"bc {dtype}", lambda: dist.broadcast(t, 1), t.view(torch.float32) if t.is_complex() else t)
+    t = torch.full((3,), float(r))
+    run("bc async", lambda: dist.broadcast(t, 1, async_op=True), t)
+    strided = torch.full((6,), float(r))[::2]
+    run("bc strided", lambda: dist.broadcast(strided, 1), strided)
+    param = torch.nn.Parameter(torch.full((2,), float(r)))
+    run("bc parameter", lambda: dist.broadcast(param, 1), param.detach())
+    bad = torch.zeros(2)
+    run("bc bad root", lambda: dist.broadcast(bad, group_src=n, group=dist.group.WORLD), bad)
+
+    for chunk in (2, LARGE):
+        inp, res = torch.arange(n * chunk, dtype=torch.float32) + 100 * r, torch.zeros(n * chunk)
+        run(f"a2a {chunk}", lambda: dist.all_to_all_single(res, inp), res)
+    both = torch.arange(n * 2, dtype=torch.float32) + 100 * r
+    run("a2a in place", lambda: dist.all_to_all_single(both, both), both)
+    inp, res = (torch.arange(n * 2) + 100 * r).to(torch.bfloat16).reshape(n, 2), torch.zeros(n, 2, dtype=torch.bfloat16)
+    run("a2a 2-d bf16", lambda: dist.all_to_all_single(res, inp), res)
+    inp, res = torch.arange(n * 2, dtype=torch.float32) + 100 * r, torch.zeros(n * 2)
+    run("a2a splits", lambda: dist.all_to_all_single(res, inp, [2] * n, [2] * n), res)
+    run("a2a async", lambda: dist.all_to_all_single(res, inp, async_op=True), res)
+    run("a2a uneven", lambda: dist.all_to_all_single(torch.zeros(n + 1), torch.zeros(n + 1)), res)
+    run("a2a dtypes", lambda: dist.all_to_all_single(torch.zeros(n, dtype=torch.int32), torch.zeros(n)), res)
     return out

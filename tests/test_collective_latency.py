@@ -64,6 +64,8 @@ def test_refused_policy_change_warns_and_detaches():
                      f"rank 1 called all_reduce sum of {fns.LARGE} x float32"]),
     ("barrier_vs_small", ["rank 0 called barrier of 1 x int32", "rank 1 called broadcast of 2 x int32"]),
     ("flat_vs_flat", ["rank 0 called all_reduce sum of 4 x float32", "rank 1 called all_reduce max of 4 x float32"]),
+    ("flat_broadcast_vs_flat_all_to_all", [f"rank 0 called broadcast of {fns.LARGE * 2} x int32",
+                                           f"rank 1 called all_to_all of {fns.LARGE * 2} x int32"]),
     ("flat_vs_general", ["rank 0 called all_reduce sum of 4 x float32", "rank 1 called all_reduce max of 4 x uint8"]),
 ])
 def test_small_op_mismatch_raises_on_every_rank_and_the_group_stays_usable(pool2, kind, expected):
@@ -117,3 +119,35 @@ def test_flat_all_gather_and_reduce_scatter_paths_match_the_general_path(pool2):
         assert message.startswith("TypeError: reduce_scatter_tensor: reduce_op=AVG needs a floating")
         assert flat_calls == 0
         assert out["rs bool"] == ([1.0, 0.0], 0)
+
+
+def test_flat_broadcast_and_all_to_all_paths_match_the_general_path(pool2):
+    """Sync broadcasts and even all_to_all_singles of contiguous CPU tensors skip the general
+    path's machinery; the rest, and their errors, are unchanged."""
+    for out in pool2.run(fns.flat_broadcast_all_to_all_edges):
+        r = out["rank"]
+        assert out["bc 3 from 0"] == ([1.0] * 3, 1)
+        assert out["bc 3 from 1"] == ([11.0] * 3, 1)
+        assert out[f"bc {fns.LARGE} from 1"] == ([11.0] * fns.LARGE, 1)
+        assert out["bc torch.bfloat16"] == ([7.0, 8.0, 9.0, 10.0, 11.0], 1)
+        assert out["bc torch.bool"] == ([1.0] * 5, 1)
+        assert out["bc torch.complex64"] == ([7.0, 0.0, 8.0, 0.0, 9.0, 0.0, 10.0, 0.0, 11.0, 0.0], 1)
+        assert out["bc async"] == ([1.0] * 3, 0) and out["bc strided"] == ([1.0] * 3, 0)
+        assert out["bc parameter"] == ([1.0] * 2, 1)
+        message, flat_calls = out["bc bad root"]
+        assert "ValueError" in message and "not a rank of this group" in message and flat_calls == 0
+
+        def expected(chunk):  # rank r receives chunk r of every rank's input, in rank order
+            return [float(100 * src + r * chunk + i) for src in range(2) for i in range(chunk)]
+
+        assert out["a2a 2"] == (expected(2), 1)
+        assert out[f"a2a {fns.LARGE}"] == (expected(fns.LARGE), 1)
+        assert out["a2a in place"] == (expected(2), 1)
+        assert out["a2a 2-d bf16"][1] == 1
+        assert sum(out["a2a 2-d bf16"][0], []) == expected(2)
+        assert out["a2a splits"] == (expected(2), 0) and out["a2a async"] == (expected(2), 0)
+        message, flat_calls = out["a2a uneven"]
+        assert message.startswith("ValueError: all_to_all_single: without split sizes") and flat_calls == 0
+        message, flat_calls = out["a2a dtypes"]
+        assert message.startswith("ValueError") or message.startswith("TypeError"), message
+        assert flat_calls == 0

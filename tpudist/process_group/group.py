@@ -4,9 +4,10 @@ exchange, then the op's data program where its data does not fit the envelope (p
 torch calls the methods below (their names and argument shapes are c10d's); each validates its
 input, builds a :class:`~tpudist.process_group.programs.ProgramKey` and a host block, and submits
 the program to the process's comm stream. Results are written back into the caller's tensors.
-Synchronous all_reduce, all_gather_into_tensor and reduce_scatter_tensor calls on contiguous CPU
-tensors take flat paths (``_small_all_reduce``, ``_flat_all_gather``, ``_flat_reduce_scatter``):
-the same programs and errors, run on the caller's thread without the closures and queue.
+Synchronous all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast and even
+all_to_all_single calls on contiguous CPU tensors take flat paths (``_small_all_reduce``,
+``_flat_all_gather``, ``_flat_reduce_scatter``, ``_flat_broadcast``, ``_flat_all_to_all``): the
+same programs and errors, run on the caller's thread without the closures and queue.
 """
 
 from __future__ import annotations
@@ -314,17 +315,18 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
                 and all(isinstance(t, torch.Tensor) and t.is_cpu and t.layout == torch.strided
                         and t.is_contiguous() for t in tensors))
 
-    def _flat(self, op: str, key: ProgramKey, block: np.ndarray, dest: np.ndarray,
+    def _flat(self, op: str, key: ProgramKey, block: np.ndarray, dest: np.ndarray | None,
               output: torch.Tensor) -> Work | None:
         """Runs a flat call of ``op`` now (None, and nothing ran, if a collective is queued)."""
         return STREAM.run_now(Work(self._describe(op), self._timeout), self._run_flat, op, key, block,
                               dest, output)
 
-    def _run_flat(self, op: str, key: ProgramKey, block: np.ndarray, dest: np.ndarray,
+    def _run_flat(self, op: str, key: ProgramKey, block: np.ndarray, dest: np.ndarray | None,
                   output: torch.Tensor) -> list[torch.Tensor]:
-        """A flat call's program (the general path's ``_run_program``), its result in ``dest``."""
+        """A flat call's program (the general path's ``_run_program``), its result in ``dest``
+        (None: the result is not kept, as on a broadcast's root)."""
         result = self._run_program(op, key, block, dest)
-        if result is not dest:
+        if dest is not None and result is not dest:
             np.copyto(dest, result.reshape(dest.shape))
         return [output]
 

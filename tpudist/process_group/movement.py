@@ -24,7 +24,7 @@ from tpudist.process_group.work import Work
 
 class DataMovement:
     """Mixed into ProcessGroupTPU: uses its ``_submit``, ``_enqueue``, ``_run_program``, ``_key``,
-    ``_one``, ``_per_rank``, ``_flat_ready`` and ``_flat``."""
+    ``_one``, ``_per_rank``, ``_check_rank``, ``_flat_ready`` and ``_flat``."""
 
     # -- data movement (raw bytes) ----------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -155,6 +155,10 @@ class DataMovement:
         return self._gather_bytes("gather", [inp], [outs], opts.asyncOp, root=root)
 
     def broadcast(self, tensors, opts=None):
+        if opts is not None and len(tensors) == 1 and not opts.asyncOp:
+            work = self._flat_broadcast(tensors[0], opts.rootRank)
+            if work is not None:
+                return work
         opts = opts or dist.BroadcastOptions()
         if dc.on_device(tensors):
             return dc.broadcast(self, tensors, opts)
@@ -170,6 +174,17 @@ class DataMovement:
 
         return self._submit("broadcast", self._key("broadcast", block, static=(root,)), block, finish,
                             opts.asyncOp)
+
+    def _flat_broadcast(self, t: Any, root: int) -> Work | None:
+        """A synchronous broadcast of a contiguous CPU tensor without the general path's per-call
+        machinery: the same key, program and errors; the root's tensor is left as it is, the
+        others receive in place. None: the general path runs."""
+        if not self._flat_ready(t):
+            return None
+        root = self._check_rank("broadcast", "src", root)
+        block = tz.as_bytes(t)
+        key = self._key("broadcast", block, static=(root,))
+        return self._flat("broadcast", key, block, None if self.rank() == root else block, t)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ScatterOptions()
@@ -202,6 +217,10 @@ class DataMovement:
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         op, n = "all_to_all_single", self.size()
+        if opts is not None and not opts.asyncOp and not output_split_sizes and not input_split_sizes:
+            work = self._flat_all_to_all(output, input)
+            if work is not None:
+                return work
         opts = opts or dist.AllToAllOptions()
         if dc.on_device(output, input):
             return dc.all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts)
@@ -221,6 +240,19 @@ class DataMovement:
             return self._submit(op, self._key("all_to_all", block), block, finish, opts.asyncOp, dest)
         inputs, outputs = split_all_to_all(op, n, input, output, input_split_sizes, output_split_sizes)
         return self._all_to_all_ragged(op, inputs, outputs, opts.asyncOp, result=[output])
+
+    def _flat_all_to_all(self, output: Any, input: Any) -> Work | None:
+        """A synchronous even all_to_all_single of contiguous CPU tensors without the general
+        path's per-call machinery: the same key, program and errors, the result assembled in the
+        output (which may be the input). None: the general path runs."""
+        n = self.size()
+        if not (self._flat_ready(output, input) and output.dtype == input.dtype and input.dim()
+                and input.shape[0] % n == 0 and output.numel() == input.numel()):
+            return None
+        unit = tz.byte_unit(tz.nbytes(input) // n)
+        block = tz.raw(input, unit).reshape(n, -1)
+        return self._flat("all_to_all_single", self._key("all_to_all", block), block,
+                          tz.raw(output, unit).reshape(n, -1), output)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         op, n = "all_to_all", self.size()
