@@ -138,6 +138,32 @@ def flat_all_reduce_edges():
     sub = dist.new_group(list(range(n)))
     run("subgroup", torch.full((2,), float(r + 1)), group=sub)
     out["rank"] = r
+    out["data"] = _flat_data_all_reduce_edges(r)
+    return out
+
+
+def _flat_data_all_reduce_edges(r: int) -> dict:
+    """Synchronous all_reduces larger than the envelope: the flat path runs their data program
+    (``_run_flat``) where the general path would, with the same results and errors."""
+    flat_calls = cc._count_calls(ProcessGroupTPU, "_run_flat")
+    out = {}
+
+    def run(name, t, op=dist.ReduceOp.SUM, **kwargs):
+        out[name] = _flat_outcome(flat_calls, lambda: dist.all_reduce(t, op, **kwargs), t)
+
+    run("sum", torch.full((LARGE,), float(r + 1)))
+    run("int max", torch.full((LARGE,), 5 - r, dtype=torch.int32), dist.ReduceOp.MAX)
+    run("premul", torch.full((LARGE,), float(r + 1)), dist._make_nccl_premul_sum(3.0))
+    run("bool", torch.full((LARGE,), r == 0))  # general: written back as bool
+    run("async", torch.full((LARGE,), float(r + 1)), async_op=True)
+    run("int avg", torch.ones(LARGE, dtype=torch.int32), dist.ReduceOp.AVG)
+    numel = 2 * LARGE  # 2-byte elements: twice as many to leave the envelope
+    vals = (torch.linspace(-3, 3, numel, dtype=torch.float64) * (r + 1) + 2.0**-9).to(torch.bfloat16)
+    flat_t = vals.clone()
+    general = torch.empty(numel * 2, dtype=torch.bfloat16)[::2].copy_(vals)  # strided: general path
+    run("bf16 flat", flat_t)
+    run("bf16 general", general)
+    out["bf16 same bits"] = torch.equal(flat_t.view(torch.int16), general.contiguous().view(torch.int16))
     return out
 
 

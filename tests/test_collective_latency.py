@@ -99,6 +99,15 @@ def test_flat_all_reduce_path_is_taken_where_it_applies_and_matches_the_general_
             assert flat_calls == 0
         assert out["big"] == [2.0, 2.0]
         assert out["subgroup"] == ([total] * 2, 1)
+        data = out["data"]  # larger than the envelope: the flat path's data program
+        assert data["sum"] == ([total] * fns.LARGE, 1)
+        assert data["int max"] == ([5.0] * fns.LARGE, 1)
+        assert data["premul"] == ([3.0 * total] * fns.LARGE, 1)
+        assert data["bool"] == ([1.0] * fns.LARGE, 0) and data["async"] == ([total] * fns.LARGE, 0)
+        message, flat_calls = data["int avg"]
+        assert message.startswith("TypeError: all_reduce: reduce_op=AVG needs a floating") and flat_calls == 0
+        assert data["bf16 flat"][1] == 1 and data["bf16 general"][1] == 0
+        assert data["bf16 same bits"]
 
 
 def test_flat_all_gather_and_reduce_scatter_paths_match_the_general_path(pool2):

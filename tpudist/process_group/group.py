@@ -5,7 +5,7 @@ torch calls the methods below (their names and argument shapes are c10d's); each
 input, builds a :class:`~tpudist.process_group.programs.ProgramKey` and a host block, and submits
 the program to the process's comm stream. Results are written back into the caller's tensors.
 Synchronous all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast and even
-all_to_all_single calls on contiguous CPU tensors take flat paths (``_small_all_reduce``,
+all_to_all_single calls on contiguous CPU tensors take flat paths (``_flat_all_reduce``,
 ``_flat_all_gather``, ``_flat_reduce_scatter``, ``_flat_broadcast``, ``_flat_all_to_all``): the
 same programs and errors, run on the caller's thread without the closures and queue.
 """
@@ -259,7 +259,7 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
     # -- reductions -------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         if opts is not None and len(tensors) == 1 and not opts.asyncOp:
-            work = self._small_all_reduce(tensors[0], opts)
+            work = self._flat_all_reduce(tensors[0], opts)
             if work is not None:
                 return work
         opts = opts or dist.AllreduceOptions()
@@ -274,22 +274,29 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         return self._reduce_into("all_reduce", self._one("all_reduce", tensors), opts.reduceOp,
                                  root=None, async_op=opts.asyncOp)
 
-    def _small_all_reduce(self, t: Any, opts: Any) -> Work | None:
-        """The flat path of a synchronous all_reduce whose data fits the envelope (small.py): the
-        general path's program, fingerprint check and errors in a few calls. None where it does not
-        apply (the general path runs): a tensor it would copy or check, a debug or coalescing
-        group, pending sends and recvs, queued collectives."""
-        if not (self._flat_ready(t) and programs.small_enabled()):
+    def _flat_all_reduce(self, t: Any, opts: Any) -> Work | None:
+        """The flat paths of a synchronous all_reduce: the general path's program, fingerprint
+        check and errors in a few calls. Data that fits the envelope runs a prepared
+        :class:`small.SmallAllReduce`; larger data its data program, the result assembled in the
+        tensor. None where neither applies (the general path runs): a tensor it would copy or
+        check, bool (written back as bool), a debug or coalescing group, pending sends and recvs,
+        queued collectives."""
+        if not self._flat_ready(t):
             return None
-        key = (t.dtype, t.shape, opts.reduceOp.op)
-        entry = self._small.get(key)
-        if entry is None:
-            entry = self._small[key] = small.build(self, t, opts.reduceOp) or False
-        if not entry:
+        if programs.small_enabled():
+            key = (t.dtype, t.shape, opts.reduceOp.op)
+            entry = self._small.get(key)
+            if entry is None:
+                entry = self._small[key] = small.build(self, t, opts.reduceOp) or False
+            if entry:
+                arr = t.detach() if t.requires_grad else t
+                arr = (arr if entry.view_as is None else arr.view(entry.view_as)).numpy()
+                return STREAM.run_now(Work(entry.description, self._timeout), self._run_small, entry, t, arr)
+        if t.dtype == torch.bool:
             return None
-        arr = t.detach() if t.requires_grad else t
-        arr = (arr if entry.view_as is None else arr.view(entry.view_as)).numpy()
-        return STREAM.run_now(Work(entry.description, self._timeout), self._run_small, entry, t, arr)
+        reduce, static = self._reduce_name("all_reduce", opts.reduceOp, t.dtype)
+        block = tz.as_numeric(t)
+        return self._flat("all_reduce", self._key("all_reduce", block, reduce, static), block, block, t)
 
     def _run_small(self, entry: small.SmallAllReduce, t: torch.Tensor, arr: np.ndarray) -> list[torch.Tensor]:
         seq = self._programs_run[entry.group] = self._programs_run.get(entry.group, 0) + 1
