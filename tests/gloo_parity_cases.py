@@ -192,6 +192,10 @@ def barrier_timeout_main(backend: str, rendezvous: str, first_world_timeout_s: f
         dist.destroy_process_group()
     dist.init_process_group(backend, init_method=f"file://{rendezvous}/second", rank=rank,
                             world_size=world, timeout=timedelta(seconds=1))
+    # Every rank is through init before any destroys: gloo's init connects the full mesh within the
+    # group's 1 s, and a peer that had already destroyed made rank 0's connect fail on a loaded
+    # machine ("connectFullMesh failed": the reference run, not what this test is about).
+    _wait_for_all(f"{rendezvous}/inited", rank, world)
     if rank == 0:
         start = time.monotonic()
         try:
@@ -200,17 +204,22 @@ def barrier_timeout_main(backend: str, rendezvous: str, first_world_timeout_s: f
         except Exception as e:  # noqa: BLE001
             print(f"RESULT raised {type(e).__name__} after {time.monotonic() - start:.2f}s: {e}",
                   flush=True)
-    open(f"{rendezvous}/done{rank}", "w").close()
-    deadline = time.monotonic() + 120
     # After a longer first world, rank 1 goes straight to destroy: it waits in JAX's shutdown
     # barrier while rank 0's barrier is still inside XLA (until XLA's timeout, the first world's).
-    while first_world_timeout_s == 0 and not all(os.path.exists(f"{rendezvous}/done{r}")
-                                                 for r in range(world)):
+    if first_world_timeout_s == 0:
+        _wait_for_all(f"{rendezvous}/done", rank, world)
+    dist.destroy_process_group()
+    print("RESULT destroyed", flush=True)
+
+
+def _wait_for_all(prefix: str, rank: int, world: int, timeout_s: float = 120) -> None:
+    """Marks this rank at ``prefix`` and waits until every rank has (exit 3 after ``timeout_s``)."""
+    open(f"{prefix}{rank}", "w").close()
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(f"{prefix}{r}") for r in range(world)):
         if time.monotonic() > deadline:
             sys.exit(3)
         time.sleep(0.05)
-    dist.destroy_process_group()
-    print("RESULT destroyed", flush=True)
 
 
 if __name__ == "__main__":
