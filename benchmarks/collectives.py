@@ -135,7 +135,7 @@ def _floor_fns(op: str, nbytes: int) -> dict:
     # A collective that fits the envelope is the exchange alone; a larger one, the exchange and then
     # its data program.
     data = None if envelope.fits(key) else fns["tpudist lowering"]
-    fns[CHECKED] = _checked(data, group, sharding, device)
+    fns[CHECKED] = _checked(data, programs.loop_idle(key, data is None), group, sharding, device)
     for f in fns.values():
         f()
     return fns
@@ -144,10 +144,10 @@ def _floor_fns(op: str, nbytes: int) -> dict:
 CHECKED = "checked floor"  # the exchange (+ the lowering): a collective that keeps the mismatch guarantee
 
 
-def _checked(data, group: tuple[int, ...], sharding, device):
+def _checked(data, data_idle: bool, group: tuple[int, ...], sharding, device):
     """``data`` (None: nothing) behind the envelope exchange, as tpudist runs a collective (loop
-    thread idle for the exchange, normal for the data): what the mismatch check costs on top of the
-    bare program, with none of tpudist's host work around the two."""
+    thread idle for the exchange, ``data_idle`` for the data): what the mismatch check costs on top
+    of the bare program, with none of tpudist's host work around the two."""
     from jax._src import core
 
     from tpudist.process_group import envelope, programs
@@ -163,7 +163,7 @@ def _checked(data, group: tuple[int, ...], sharding, device):
         got = exchange(x_rows)
         if data is None:
             return got
-        GLOO_LOOP.idle(False)
+        GLOO_LOOP.idle(data_idle)
         return data()
     return run
 

@@ -17,14 +17,18 @@ LARGE = envelope.PAYLOAD_BYTES // 4 + 1  # float32 elements: one more than the e
 
 
 def loop_policies():
-    """The gloo loop thread's policy as the kernel reports it after a small and after a large
-    all_reduce, and the threads of this process in SCHED_IDLE after a small one."""
+    """The gloo loop thread's policy as the kernel reports it after a small all_reduce, one with a
+    data program of at most IDLE_DATA_BYTES, and a larger one; and the threads of this process in
+    SCHED_IDLE after a small one."""
+    from tpudist.process_group.programs import IDLE_DATA_BYTES
     from tpudist.process_group.runtime import GLOO_LOOP
 
     tid = GLOO_LOOP.tid
-    small, large = torch.ones(1), torch.ones(LARGE)
+    small, medium, large = torch.ones(1), torch.ones(LARGE), torch.ones(IDLE_DATA_BYTES // 4 + 1)
     dist.all_reduce(small)
     after_small = os.sched_getscheduler(tid) if tid is not None else None
+    dist.all_reduce(medium)
+    after_medium = os.sched_getscheduler(tid) if tid is not None else None
     dist.all_reduce(large)
     after_large = os.sched_getscheduler(tid) if tid is not None else None
     dist.all_reduce(torch.ones(1))
@@ -34,8 +38,10 @@ def loop_policies():
         dist.all_reduce(torch.ones(1))
         forced = os.sched_getscheduler(tid) if tid is not None else None
     return {"tid": tid, "in_process": tid is not None and os.path.exists(f"/proc/self/task/{tid}"),
-            "after_small": after_small, "after_large": after_large, "again": again, "forced": forced,
-            "results": [small.item(), large[0].item(), large[-1].item()], "idle_threads": idle_threads}
+            "after_small": after_small, "after_medium": after_medium, "after_large": after_large,
+            "again": again, "forced": forced,
+            "results": [small.item(), medium[-1].item(), large[0].item(), large[-1].item()],
+            "idle_threads": idle_threads}
 
 
 def _idle_threads() -> list[int]:

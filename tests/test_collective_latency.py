@@ -17,14 +17,15 @@ from tpudist.testing import RankPool
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux scheduling")
 
 
-def test_loop_thread_is_idle_for_small_programs_and_normal_for_data_programs(pool2):
+def test_loop_thread_is_idle_except_for_data_programs_over_the_bound(pool2):
     for res in pool2.run(fns.loop_policies):
         assert res["tid"] is not None and res["in_process"]
         assert res["after_small"] == os.SCHED_IDLE
+        assert res["after_medium"] == os.SCHED_IDLE  # a data program of at most IDLE_DATA_BYTES
         assert res["after_large"] == os.SCHED_OTHER
         assert res["again"] == os.SCHED_IDLE
         assert res["forced"] == os.SCHED_OTHER
-        assert res["results"] == [2.0, 2.0, 2.0]
+        assert res["results"] == [2.0] * 4
         assert res["idle_threads"] == [res["tid"]]  # that one thread, nothing else
 
 
@@ -33,7 +34,7 @@ def test_off_switch_leaves_every_thread_alone():
         for res in pool.run(fns.loop_policies):
             assert res["tid"] is None
             assert res["idle_threads"] == []
-            assert res["results"] == [2.0, 2.0, 2.0]
+            assert res["results"] == [2.0] * 4
 
 
 def test_no_loop_thread_found_warns_and_changes_nothing():

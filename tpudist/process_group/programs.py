@@ -125,7 +125,7 @@ class Compiled:
             x_rows = self.x_rows
             if x_rows is None:
                 x_rows = xla_batched_put(self.envelope_aval, self.sharding, rows, self.device)
-            GLOO_LOOP.idle(loop_idle(True))  # the exchange is latency-bound
+            GLOO_LOOP.idle(True)  # the exchange is latency-bound
             got = self.envelope_fn(x_rows)[0]
             fps = envelope.fingerprints(got)
             if not all_agree(fps, fingerprint):
@@ -274,7 +274,7 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
 
     The exchange is a program of its own, not the head of the data program under a ``lax.cond``
     (as it was): so it runs with gloo's loop thread idle, as the latency-bound exchange should,
-    while the data moves with the thread at normal priority. On 2 ranks the FSDP2 step of
+    while the data moves with the thread as :func:`loop_idle` decides. On 2 ranks the FSDP2 step of
     ``benchmarks/train_step.py`` spent ~14 ms of its ~84 on the in-program check (1.31x gloo,
     1.11-1.17x without the check); see the README for the measurements of this layout.
     """
@@ -308,22 +308,31 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
     rows, x_rows = _rows_buffer(key.group, envelope_aval, sharding, rt.local_device)
     return Compiled(envelope.plan(key, me, carries_data=fn is None), _envelope_program(key.group),
                     rows, x_rows, fn, verify or fn is None, lowering, fp, envelope_aval, avals, sharding,
-                    rt.local_device, loop_idle(fn is None), key.dtype in _WIDE)
+                    rt.local_device, loop_idle(key, fn is None), key.dtype in _WIDE)
 
 
-def loop_idle(small: bool) -> bool:
-    """Whether gloo's loop thread runs in SCHED_IDLE for this program (runtime.GlooLoop).
+# Data programs whose block is at most this size run with gloo's loop thread idle too (loop_idle).
+IDLE_DATA_BYTES = 16 * 2**20
+
+
+def loop_idle(key: ProgramKey, small: bool) -> bool:
+    """Whether gloo's loop thread runs in SCHED_IDLE for this program (runtime.GlooLoop): for the
+    envelope exchange, and for data programs of at most :data:`IDLE_DATA_BYTES` per rank.
 
     Issue 15 measured idle scheduling helping the latency-bound exchange (bare 4-byte psum
     0.85-30x -> 0.96-1.25x gloo) and slowing one-way bulk transfers (64 MiB ppermute 1.22x ->
-    1.36x), which every larger lowering is made of. ``benchmarks/collectives.py --loop-ab`` on a
-    loaded 2-core machine (tpu/gloo medians, 2 and 4 ranks): 4-byte all_reduce never idle
-    6.9-16.6x, always idle 2.4-4.2x, per program 4.5-4.7x; at 1 MiB no policy won consistently
-    (all_to_all per program 0.98-2.7x, always idle 3.5x, never 3.0-4.2x). So: idle for programs
-    that are only the envelope, normal for programs that move data. The switch is one syscall
-    (1-2 us), made only when consecutive programs differ.
+    1.36x). Until 2026-12-01 every data program ran with the thread normal, from separate
+    ``--loop-ab`` runs on a loaded machine in which no policy won at 1 MiB. Interleaved round by
+    round in the same ranks instead (``GLOO_LOOP.force`` toggled, 10 rounds x 10 calls), always
+    idle took, of the per-program policy's time: 2 ranks, 128 KB all_gather 0.53-0.72x,
+    reduce_scatter 0.85-0.89x, 1 MiB all_reduce 0.85-0.89x, broadcast 0.86-0.91x, all_to_all
+    0.67-0.78x; 4 ranks 0.80-1.01x; 4-16 MiB 0.89-1.08x (mostly below 1); 64 MiB 0.95-1.14x
+    (reduce_scatter 1.14x). Hence the bound. The switch is one syscall (1-2 us), made only when
+    consecutive programs differ.
     """
-    return small
+    if small:
+        return True
+    return int(np.prod(key.shape, dtype=np.int64)) * np.dtype(key.dtype).itemsize <= IDLE_DATA_BYTES
 
 
 def _rows_buffer(group: tuple[int, ...], aval: Any, sharding: Any,
