@@ -437,7 +437,9 @@ def _floor_text(samples: dict | None) -> str:
             f"({'PASS' if above <= FLOOR_BAR else 'FAIL'} at {FLOOR_BAR}x)")
     if CHECKED in samples:
         checked = statistics.median(samples[CHECKED])
-        text += f"; {CHECKED} {checked * 1e6:.0f} us, tpu {tpu / checked:.2f}x of it"
+        gloo = statistics.median(samples["gloo"])
+        text += (f"; {CHECKED} {checked * 1e6:.0f} us ({checked / gloo:.2f}x gloo in the same rounds), "
+                 f"tpu {tpu / checked:.2f}x of it")
     return text
 
 
