@@ -96,7 +96,7 @@ def _floor_fns(op: str, nbytes: int) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from tpudist.process_group import lowerings, programs, runtime
+    from tpudist.process_group import envelope, lowerings, programs, runtime
 
     n, axis = dist.get_world_size(), programs.AXIS
     group = tuple(range(n))
@@ -130,8 +130,6 @@ def _floor_fns(op: str, nbytes: int) -> dict:
     lowering = lowerings.LOWERINGS[op](key, me)
     fns = {"xla native": program(native, [block]),
            "tpudist lowering": program(lowering.body, lowering.split(block))}
-    from tpudist.process_group import envelope
-
     # A collective that fits the envelope is the exchange alone; a larger one, the exchange and then
     # its data program.
     data = None if envelope.fits(key) else fns["tpudist lowering"]
