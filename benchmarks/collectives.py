@@ -97,7 +97,6 @@ def _floor_fns(op: str, nbytes: int) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from tpudist.process_group import envelope, lowerings, programs, runtime
-    from tpudist.process_group.runtime import GLOO_LOOP
 
     n, axis = dist.get_world_size(), programs.AXIS
     group = tuple(range(n))
@@ -109,13 +108,13 @@ def _floor_fns(op: str, nbytes: int) -> dict:
     shape = {"reduce_scatter": (n, numel), "all_to_all": (n, numel // n)}.get(op, (numel,))
     block = np.ones(shape, np.float32)
 
-    def program(body, pieces, wrap=True, extra=()):
-        local = (lambda *xs: tuple(o[None] for o in body(*(x[0] for x in xs)))) if wrap else body
-        fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(axis),) * (len(pieces) + len(extra)),
-                                   out_specs=P(axis), check_vma=False))
+    def program(body, pieces):
+        fn = jax.jit(jax.shard_map(lambda *xs: tuple(o[None] for o in body(*(x[0] for x in xs))),
+                                   mesh=mesh, in_specs=(P(axis),) * len(pieces), out_specs=P(axis),
+                                   check_vma=False))
         arrays = [programs.xla_batched_put(core.ShapedArray((n, *p.shape), p.dtype), sharding,
                                            np.ascontiguousarray(p), device) for p in pieces]
-        return lambda: [np.asarray(o._arrays[0]) for o in fn(*arrays, *extra)]
+        return lambda: [np.asarray(o._arrays[0]) for o in fn(*arrays)]
 
     native = {
         "all_reduce": lambda x: (jax.lax.psum(x, axis),),
@@ -131,17 +130,10 @@ def _floor_fns(op: str, nbytes: int) -> dict:
     lowering = lowerings.LOWERINGS[op](key, me)
     fns = {"xla native": program(native, [block]),
            "tpudist lowering": program(lowering.body, lowering.split(block))}
-    # As tpudist runs it: a collective that fits the envelope is the exchange alone; a larger one,
-    # the data program with the exchange at its head (programs.checked_body) up to
-    # IDLE_DATA_BYTES, else the exchange and then the data program.
-    if envelope.fits(key):
-        fns[CHECKED] = _checked(None, True, group, sharding, device)
-    elif programs.loop_idle(key, False):
-        rows = _checked_rows(group, sharding, device)
-        fused = program(programs.checked_body(lowering), lowering.split(block), wrap=False, extra=(rows,))
-        fns[CHECKED] = lambda: (GLOO_LOOP.idle(True), fused())
-    else:
-        fns[CHECKED] = _checked(fns["tpudist lowering"], False, group, sharding, device)
+    # A collective that fits the envelope is the exchange alone; a larger one, the exchange and then
+    # its data program.
+    data = None if envelope.fits(key) else fns["tpudist lowering"]
+    fns[CHECKED] = _checked(data, programs.loop_idle(key, data is None), group, sharding, device)
     for f in fns.values():
         f()
     return fns
@@ -154,11 +146,15 @@ def _checked(data, data_idle: bool, group: tuple[int, ...], sharding, device):
     """``data`` (None: nothing) behind the envelope exchange, as tpudist runs a collective (loop
     thread idle for the exchange, ``data_idle`` for the data): what the mismatch check costs on top
     of the bare program, with none of tpudist's host work around the two."""
-    from tpudist.process_group import programs
+    from jax._src import core
+
+    from tpudist.process_group import envelope, programs
     from tpudist.process_group.runtime import GLOO_LOOP
 
+    n = len(group)
+    aval = core.ShapedArray((n, n, envelope.WORDS), np.int32)
     exchange = programs._envelope_program(group)  # noqa: SLF001 - the group's own exchange program
-    x_rows = _checked_rows(group, sharding, device)
+    x_rows = programs.xla_batched_put(aval, sharding, np.zeros((n, envelope.WORDS), np.int32), device)
 
     def run():
         GLOO_LOOP.idle(True)
@@ -168,17 +164,6 @@ def _checked(data, data_idle: bool, group: tuple[int, ...], sharding, device):
         GLOO_LOOP.idle(data_idle)
         return data()
     return run
-
-
-def _checked_rows(group: tuple[int, ...], sharding, device):
-    """Envelope rows as a program input: every rank's fingerprint the same (zeros), so they agree."""
-    from jax._src import core
-
-    from tpudist.process_group import envelope, programs
-
-    n = len(group)
-    aval = core.ShapedArray((n, n, envelope.WORDS), np.int32)
-    return programs.xla_batched_put(aval, sharding, np.zeros((n, envelope.WORDS), np.int32), device)
 
 
 def _from_root(x, axis):

@@ -88,7 +88,7 @@ class Compiled:
 
     Every call first exchanges :mod:`~tpudist.process_group.envelope` rows (fingerprints, and
     the data itself when it fits; skipped for data programs when ``verify`` is off); ``fn`` is
-    None when that exchange is the whole collective, and does the exchange itself when ``fused``.
+    None when that exchange is the whole collective.
     """
 
     plan: envelope.Plan
@@ -97,7 +97,6 @@ class Compiled:
     x_rows: Any  # the global array over ``rows``' memory, or None where XLA would not alias it
     fn: Executable | None  # *inputs -> outputs: the data program; None: small
     verify: bool  # the envelope exchange runs before ``fn`` (always where ``fn`` is None)
-    fused: bool  # ``fn`` does the exchange itself: (*inputs, rows) -> (*outputs, fingerprints)
     lowering: Lowering | None  # None: small
     fingerprint_host: np.ndarray  # what the key decides; a call adds its group and sequence number
     envelope_aval: Any
@@ -121,8 +120,6 @@ class Compiled:
         result's shape, receives the result where the lowering can assemble it there (the result
         is then ``dest``): one copy fewer. It is written only after every input has been read, so
         it may be the block's own memory."""
-        if self.fused:
-            return self._run_fused(block, fingerprint, dest)
         if self.verify:
             rows = envelope.pack(self.plan, block, fingerprint, self.rows)
             x_rows = self.x_rows
@@ -151,33 +148,13 @@ class Compiled:
             outs = self._run_program(block)
         return self.lowering.join(block, outs, dest), fps
 
-    def _run_fused(self, block: np.ndarray, fingerprint: np.ndarray,
-                   dest: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray]:
-        """``run`` for a program that exchanges the rows itself and moves data only if every
-        rank's fingerprint agrees (under a ``lax.cond`` every rank decides alike)."""
-        rows = envelope.pack(self.plan, block, fingerprint, self.rows)
-        x_rows = self.x_rows
-        if x_rows is None:
-            x_rows = xla_batched_put(self.envelope_aval, self.sharding, rows, self.device)
-        GLOO_LOOP.idle(self.loop_idle)
-        if self.x64:  # JAX truncates 64-bit types unless x64 is on, in puts too (FACTS.md)
-            import jax
-
-            with jax.enable_x64(True):
-                *outs, fps = self._run_program(block, x_rows)
-        else:
-            *outs, fps = self._run_program(block, x_rows)
-        if not all_agree(fps, fingerprint):
-            return None, fps  # the data part did not run on any rank
-        return self.lowering.join(block, outs, dest), fps
-
-    def _run_program(self, block: np.ndarray, *extra: Any) -> list[np.ndarray]:
+    def _run_program(self, block: np.ndarray) -> list[np.ndarray]:
         # Each input aliases the block's memory where it is aligned (batched_device_put builds
         # the global array in ~3 us, against ~70 us for device_put followed by
         # make_array_from_single_device_arrays: measured here, jax 0.10.2).
         inputs = [xla_batched_put(aval, self.sharding, piece, self.device)
                   for aval, piece in zip(self.avals, self.lowering.split(block))]
-        return self.fn(*inputs, *extra)  # the program has finished: inputs are read
+        return self.fn(*inputs)  # the program has finished: inputs are read
 
 
 def all_agree(fingerprints: np.ndarray, ours: np.ndarray) -> bool:
@@ -295,14 +272,11 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
     rank decides from the same fingerprints whether to run the data program. Collectives whose data
     fits the envelope need no second program.
 
-    Where the data program runs with gloo's loop thread idle, as the exchange does (up to
-    :data:`IDLE_DATA_BYTES` per rank), the exchange is its head and the data part runs under a
-    ``lax.cond`` (:func:`checked_body`): one program per call. Above that the exchange is a program
-    of its own, so the data can move with the thread at normal priority. While every data program
-    ran with the thread normal, the separate exchange was the better layout (FSDP2 step 1.24-1.27x
-    gloo against 1.26-1.37x); with the thread idle for both, the fused program took 0.80-0.93x the
-    separate pair's time on 2 ranks (128 KB all_gather and reduce_scatter, 1 MiB all_reduce) and
-    0.87-1.02x on 4 (bare programs with their host work, interleaved in the same ranks).
+    The exchange is a program of its own, not the head of the data program under a ``lax.cond``
+    (as it was): so it runs with gloo's loop thread idle, as the latency-bound exchange should,
+    while the data moves with the thread as :func:`loop_idle` decides. On 2 ranks the FSDP2 step of
+    ``benchmarks/train_step.py`` spent ~14 ms of its ~84 on the in-program check (1.31x gloo,
+    1.11-1.17x without the check); see the README for the measurements of this layout.
     """
     import jax
     from jax._src import core
@@ -325,41 +299,16 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
         stand_in = np.broadcast_to(np.zeros((), np.dtype(key.dtype)), key.shape)
         avals = tuple(core.ShapedArray((n, *p.shape), p.dtype) for p in lowering.split(stand_in))
 
-        fused = verify and loop_idle(key, False)
-        body = checked_body(lowering) if fused else _unchecked_body(lowering)
-        fn = Executable(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * (len(avals) + fused),
+        def body(*args):
+            return tuple(o[None] for o in lowering.body(*(x[0] for x in args)))
+
+        fn = Executable(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * len(avals),
                                               out_specs=P(AXIS), check_vma=False)))
     fp = np.concatenate([fingerprint(key), np.zeros(2, np.int32)])  # + group code, call number
     rows, x_rows = _rows_buffer(key.group, envelope_aval, sharding, rt.local_device)
     return Compiled(envelope.plan(key, me, carries_data=fn is None), _envelope_program(key.group),
-                    rows, x_rows, fn, verify or fn is None, fn is not None and fused, lowering, fp,
-                    envelope_aval, avals, sharding, rt.local_device, loop_idle(key, fn is None),
-                    key.dtype in _WIDE)
-
-
-def _unchecked_body(lowering: Lowering) -> Callable[..., tuple]:
-    """The data program's ``shard_map`` body: the lowering on this rank's pieces."""
-    def body(*args):
-        return tuple(o[None] for o in lowering.body(*(x[0] for x in args)))
-    return body
-
-
-def checked_body(lowering: Lowering) -> Callable[..., tuple]:
-    """The data program with the envelope exchange at its head (its last input the rows, its last
-    output every rank's fingerprint): the data part runs under a ``lax.cond`` on whether every
-    fingerprint agrees, which every rank evaluates alike from the same rows."""
-    import jax
-    import jax.numpy as jnp
-
-    def body(*args):
-        xs, rows = [x[0] for x in args[:-1]], args[-1]
-        out_shapes = jax.eval_shape(lowering.body, *xs)  # inside shard_map: the axis is bound
-        fps = envelope.fingerprints(_exchange(rows[0]))
-        agree = jnp.all(fps == fps[0:1])
-        outs = jax.lax.cond(agree, lambda vs: lowering.body(*vs),
-                            lambda vs: tuple(jnp.zeros(o.shape, o.dtype) for o in out_shapes), xs)
-        return (*(o[None] for o in outs), fps[None])
-    return body
+                    rows, x_rows, fn, verify or fn is None, lowering, fp, envelope_aval, avals, sharding,
+                    rt.local_device, loop_idle(key, fn is None), key.dtype in _WIDE)
 
 
 # Data programs whose block is at most this size run with gloo's loop thread idle too (loop_idle).
