@@ -62,9 +62,8 @@ def build(group: Any, t: torch.Tensor, reduce_op: Any) -> SmallAllReduce | None:
         return None
     n, nbytes = len(key.group), block.nbytes
     fingerprint = compiled.call_fingerprint(group._group_code, 0)  # noqa: SLF001
-    start = envelope.FP_WORDS * 4
     return SmallAllReduce(
         group._describe("all_reduce"), key.group, compiled.envelope_fn, compiled.x_rows,  # noqa: SLF001
-        fingerprint, compiled.rows[:, :envelope.FP_WORDS],
-        compiled.rows.view(np.uint8)[:, start:start + nbytes], tz.transport_view(t.dtype), block.dtype,
+        fingerprint, envelope.fingerprints(compiled.rows),
+        envelope.payload(compiled.rows, nbytes, np.dtype(np.uint8)), tz.transport_view(t.dtype), block.dtype,
         nbytes, (n, *block.shape), reduce, static, compiled.loop_idle)
