@@ -245,3 +245,96 @@ def flat_broadcast_all_to_all_edges():
     run("a2a uneven", lambda: dist.all_to_all_single(torch.zeros(n + 1), torch.zeros(n + 1)), res)
     run("a2a dtypes", lambda: dist.all_to_all_single(torch.zeros(n, dtype=torch.int32), torch.zeros(n)), res)
     return out
+
+
+def recurring_collectives():
+    """Collectives with data programs, each called FUSE_AFTER + 3 times with new data every call
+    (the flat and the general path, several ops and dtypes): every result against the expected
+    values, and how many calls ran the one-program form (programs.Recurring)."""
+    from tpudist.process_group import programs
+
+    fused_calls = cc._count_calls(programs.Compiled, "_run_fused")
+    r, n = dist.get_rank(), dist.get_world_size()
+    calls = programs.FUSE_AFTER + 3
+    size = LARGE + 7  # shapes no other test of the shared pool runs: each key's count starts here
+    out = {}
+
+    def run(name, call):
+        before, wrong = fused_calls[0], []
+        for i in range(calls):
+            got, want = call(i)
+            if not torch.equal(got, want):
+                wrong.append(i)
+        out[name] = (wrong, fused_calls[0] - before)
+
+    def all_reduce(i, dtype=torch.float32, op=dist.ReduceOp.SUM, async_op=False):
+        base = torch.arange(2 * size) % 7  # twice: 16-bit types leave the envelope too
+        t = (base + r + i).to(dtype)
+        want = sum(base + k + i for k in range(n)).to(dtype)
+        if op == dist.ReduceOp.MAX:
+            want = (base + n - 1 + i).to(dtype)
+        work = dist.all_reduce(t, op, async_op=async_op)
+        if work is not None:
+            work.wait()
+        return t, want
+
+    def all_gather(i):
+        inp, got = torch.full((size,), float(r + 10 * i)), torch.zeros(size * n)
+        dist.all_gather_into_tensor(got, inp)
+        return got, torch.cat([torch.full((size,), float(k + 10 * i)) for k in range(n)])
+
+    def reduce_scatter(i):
+        inp, got = torch.arange(size * n, dtype=torch.float64) + r + i, torch.zeros(size, dtype=torch.float64)
+        dist.reduce_scatter_tensor(got, inp)
+        full = sum(torch.arange(size * n, dtype=torch.float64) + k + i for k in range(n))
+        return got, full[r * size:(r + 1) * size]
+
+    def broadcast(i):
+        t = torch.full((size,), float(r + 10 * i))
+        dist.broadcast(t, n - 1)
+        return t, torch.full((size,), float(n - 1 + 10 * i))
+
+    def all_to_all(i):
+        inp, got = torch.arange(n * size, dtype=torch.int64) + 1000 * r + i, torch.zeros(n * size, dtype=torch.int64)
+        dist.all_to_all_single(got, inp)
+        want = torch.cat([(torch.arange(n * size, dtype=torch.int64) + 1000 * k + i)[r * size:(r + 1) * size]
+                          for k in range(n)])
+        return got, want
+
+    run("all_reduce", all_reduce)
+    run("all_reduce int max", lambda i: all_reduce(i, torch.int32, dist.ReduceOp.MAX))
+    run("all_reduce bf16 async", lambda i: all_reduce(i, torch.bfloat16, async_op=True))  # general path
+    run("all_gather", all_gather)
+    run("reduce_scatter float64", reduce_scatter)
+    run("broadcast", broadcast)
+    run("all_to_all int64", all_to_all)
+    return out
+
+
+def mismatched_recurring(kind: str):
+    """Ranks issue different collectives where at least one has reached its one-program form;
+    returns (error type and text, the recurring all_reduce's result afterwards)."""
+    from tpudist.process_group import programs
+
+    r = dist.get_rank()
+    recurring = torch.ones(LARGE)
+    other = torch.ones(LARGE + 5)
+    for _ in range(programs.FUSE_AFTER):
+        dist.all_reduce(recurring.fill_(1.0))
+        if kind == "fused_vs_fused":
+            dist.all_reduce(other.fill_(1.0))
+    try:
+        if kind == "fused_vs_separate":  # rank 1's key has not recurred
+            dist.all_reduce(recurring if r == 0 else torch.ones(LARGE + 1))
+        elif kind == "fused_vs_small":
+            dist.all_reduce(recurring if r == 0 else torch.ones(1))
+        elif kind == "fused_vs_fused":  # both keys have recurred
+            dist.all_reduce(recurring if r == 0 else other)
+        elif kind == "fused_vs_barrier":
+            dist.all_reduce(recurring) if r == 0 else dist.barrier()
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        outcome = f"{type(e).__name__}: {e}"
+    recurring.fill_(float(r + 1))
+    dist.all_reduce(recurring)
+    return outcome, [recurring[0].item(), recurring[-1].item()]

@@ -161,3 +161,31 @@ def test_flat_broadcast_and_all_to_all_paths_match_the_general_path(pool2):
         message, flat_calls = out["a2a dtypes"]
         assert message.startswith("ValueError") or message.startswith("TypeError"), message
         assert flat_calls == 0
+
+
+def test_recurring_collectives_switch_to_one_program_with_the_same_results(pool2):
+    """A data program every rank has run FUSE_AFTER times runs as one program from then on (the
+    exchange at its head): the same results, on the flat and the general path, for every op with a
+    data program, 64-bit types included."""
+    for out in pool2.run(fns.recurring_collectives):
+        for name, (wrong, fused) in out.items():
+            assert wrong == [], (name, wrong)
+            assert fused == 3, (name, fused)  # calls FUSE_AFTER .. FUSE_AFTER + 2
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("fused_vs_separate", [f"rank 1 called all_reduce sum of {fns.LARGE + 1} x float32"]),
+    ("fused_vs_small", ["rank 1 called all_reduce sum of 1 x float32"]),
+    ("fused_vs_fused", [f"rank 1 called all_reduce sum of {fns.LARGE + 5} x float32"]),
+    ("fused_vs_barrier", ["rank 1 called barrier of 1 x int32"]),
+])
+def test_mismatch_with_a_recurring_collective_raises_on_every_rank(pool2, kind, expected):
+    """A rank whose collective runs as one program and a rank issuing another collective (a new
+    one, a small one, another recurring one, a barrier) both get CollectiveMismatch; no data moves
+    and the group goes on working."""
+    for outcome, after in pool2.run(fns.mismatched_recurring, kind):
+        assert outcome.startswith("CollectiveMismatch: "), outcome
+        assert f"rank 0 called all_reduce sum of {fns.LARGE} x float32" in outcome
+        for text in expected:
+            assert text in outcome
+        assert after == [3.0, 3.0]

@@ -88,7 +88,8 @@ class Compiled:
 
     Every call first exchanges :mod:`~tpudist.process_group.envelope` rows (fingerprints, and
     the data itself when it fits; skipped for data programs when ``verify`` is off); ``fn`` is
-    None when that exchange is the whole collective.
+    None when that exchange is the whole collective. A data program that recurs switches to its
+    one-program form (``recurring``): the exchange at its head, the data under a ``lax.cond``.
     """
 
     plan: envelope.Plan
@@ -105,6 +106,7 @@ class Compiled:
     device: Any
     loop_idle: bool  # the gloo loop thread's policy for this program (see runtime.GlooLoop)
     x64: bool  # JAX truncates 64-bit types unless x64 is on for the call (FACTS.md)
+    recurring: Recurring | None = None  # where the one-program form may take over (see Recurring)
 
     def call_fingerprint(self, group_code: int, seq: int) -> np.ndarray:
         """The key's fingerprint plus the call's group and per-group sequence number: ranks that
@@ -120,16 +122,17 @@ class Compiled:
         result's shape, receives the result where the lowering can assemble it there (the result
         is then ``dest``): one copy fewer. It is written only after every input has been read, so
         it may be the block's own memory."""
+        recurring = self.recurring
+        if recurring is not None and recurring.runs >= FUSE_AFTER:
+            return self._run_fused(recurring.fused, block, fingerprint, dest)
         if self.verify:
-            rows = envelope.pack(self.plan, block, fingerprint, self.rows)
-            x_rows = self.x_rows
-            if x_rows is None:
-                x_rows = xla_batched_put(self.envelope_aval, self.sharding, rows, self.device)
             GLOO_LOOP.idle(True)  # the exchange is latency-bound
-            got = self.envelope_fn(x_rows)[0]
+            got = self.envelope_fn(self._rows_in(block, fingerprint))[0]
             fps = envelope.fingerprints(got)
             if not all_agree(fps, fingerprint):
                 return None, fps
+            if recurring is not None:
+                recurring.runs += 1  # every rank counts this call: every fingerprint agreed
         else:
             fps = np.broadcast_to(fingerprint, (len(self.plan.key.group), len(fingerprint)))
         if self.fn is None:
@@ -148,13 +151,58 @@ class Compiled:
             outs = self._run_program(block)
         return self.lowering.join(block, outs, dest), fps
 
-    def _run_program(self, block: np.ndarray) -> list[np.ndarray]:
+    def _rows_in(self, block: np.ndarray, fingerprint: np.ndarray) -> Any:
+        """The envelope rows of this call, packed, as the global array the exchange reads."""
+        rows = envelope.pack(self.plan, block, fingerprint, self.rows)
+        if self.x_rows is not None:
+            return self.x_rows
+        return xla_batched_put(self.envelope_aval, self.sharding, rows, self.device)
+
+    def _run_fused(self, fused: Executable, block: np.ndarray, fingerprint: np.ndarray,
+                   dest: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray]:
+        """``run`` in the one-program form: the program exchanges the rows and moves data only
+        where every rank's fingerprint agrees (its ``lax.cond`` decides alike on every rank)."""
+        x_rows = self._rows_in(block, fingerprint)
+        GLOO_LOOP.idle(True)  # recurring programs are all within IDLE_DATA_BYTES
+        if self.x64:
+            import jax
+
+            with jax.enable_x64(True):
+                *outs, fps = self._run_program(block, fused, x_rows)
+        else:
+            *outs, fps = self._run_program(block, fused, x_rows)
+        if not all_agree(fps, fingerprint):
+            return None, fps  # no rank moved data
+        return self.lowering.join(block, outs, dest), fps
+
+    def _run_program(self, block: np.ndarray, fn: Executable | None = None,
+                     *extra: Any) -> list[np.ndarray]:
         # Each input aliases the block's memory where it is aligned (batched_device_put builds
         # the global array in ~3 us, against ~70 us for device_put followed by
         # make_array_from_single_device_arrays: measured here, jax 0.10.2).
         inputs = [xla_batched_put(aval, self.sharding, piece, self.device)
                   for aval, piece in zip(self.avals, self.lowering.split(block))]
-        return self.fn(*inputs)  # the program has finished: inputs are read
+        return (fn or self.fn)(*inputs, *extra)  # the program has finished: inputs are read
+
+
+# A data program whose call every rank verified this many times switches to its one-program form.
+FUSE_AFTER = 8
+
+
+@dataclass(slots=True)
+class Recurring:
+    """A data program's verified runs, and the one-program form it switches to at FUSE_AFTER.
+
+    Both forms start with the same rows exchange. The separate pair (exchange program, then data
+    program) costs one program and one wait more per call; the one-program form compiles 2.7x as
+    long per new shape (issue 15, 2 ranks, no persistent cache: 276-301 ms against 105-110 ms for
+    a first all_reduce). So a key pays for it only once it recurs, as a training loop's collectives
+    do. A run counts only where every rank's fingerprint agreed, so every rank has counted the same
+    calls and switches at the same one: ranks never run the two forms of one collective together.
+    """
+
+    fused: Executable  # (*inputs, rows) -> (*outputs, fingerprints); jitted, compiled on first call
+    runs: int = 0
 
 
 def all_agree(fingerprints: np.ndarray, ours: np.ndarray) -> bool:
@@ -272,11 +320,13 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
     rank decides from the same fingerprints whether to run the data program. Collectives whose data
     fits the envelope need no second program.
 
-    The exchange is a program of its own, not the head of the data program under a ``lax.cond``
-    (as it was): so it runs with gloo's loop thread idle, as the latency-bound exchange should,
-    while the data moves with the thread as :func:`loop_idle` decides. On 2 ranks the FSDP2 step of
-    ``benchmarks/train_step.py`` spent ~14 ms of its ~84 on the in-program check (1.31x gloo,
-    1.11-1.17x without the check); see the README for the measurements of this layout.
+    The exchange is a program of its own at first. A data program that recurs (:class:`Recurring`)
+    and runs with gloo's loop thread idle, as the exchange does (up to :data:`IDLE_DATA_BYTES` per
+    rank), then switches to the exchange as its head and the data under a ``lax.cond``
+    (:func:`checked_body`): one program per call. With the thread idle for both, that took
+    0.80-0.93x the separate pair's time on 2 ranks (128 KB all_gather and reduce_scatter, 1 MiB
+    all_reduce) and 0.87-1.02x on 4. Larger data programs keep the separate exchange, so the data
+    can move with the thread at normal priority. See the README for the measurements.
     """
     import jax
     from jax._src import core
@@ -291,7 +341,7 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
     me = key.group.index(rt.process_id)
     sharding = NamedSharding(mesh, P(AXIS))
     envelope_aval = core.ShapedArray((n, n, envelope.WORDS), np.int32)
-    fn = lowering = None
+    fn = lowering = recurring = None
     avals: tuple = ()
     if not (small and envelope.fits(key)):
         lowering = LOWERINGS[key.op](key, me)
@@ -299,16 +349,43 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
         stand_in = np.broadcast_to(np.zeros((), np.dtype(key.dtype)), key.shape)
         avals = tuple(core.ShapedArray((n, *p.shape), p.dtype) for p in lowering.split(stand_in))
 
-        def body(*args):
-            return tuple(o[None] for o in lowering.body(*(x[0] for x in args)))
+        def jitted(body: Callable[..., tuple], inputs: int) -> Executable:
+            return Executable(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * inputs,
+                                                    out_specs=P(AXIS), check_vma=False)))
 
-        fn = Executable(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * len(avals),
-                                              out_specs=P(AXIS), check_vma=False)))
+        fn = jitted(_unchecked_body(lowering), len(avals))
+        if verify and loop_idle(key, False):
+            recurring = Recurring(jitted(checked_body(lowering), len(avals) + 1))
     fp = np.concatenate([fingerprint(key), np.zeros(2, np.int32)])  # + group code, call number
     rows, x_rows = _rows_buffer(key.group, envelope_aval, sharding, rt.local_device)
     return Compiled(envelope.plan(key, me, carries_data=fn is None), _envelope_program(key.group),
                     rows, x_rows, fn, verify or fn is None, lowering, fp, envelope_aval, avals, sharding,
-                    rt.local_device, loop_idle(key, fn is None), key.dtype in _WIDE)
+                    rt.local_device, loop_idle(key, fn is None), key.dtype in _WIDE, recurring)
+
+
+def _unchecked_body(lowering: Lowering) -> Callable[..., tuple]:
+    """The data program's ``shard_map`` body: the lowering on this rank's pieces."""
+    def body(*args):
+        return tuple(o[None] for o in lowering.body(*(x[0] for x in args)))
+    return body
+
+
+def checked_body(lowering: Lowering) -> Callable[..., tuple]:
+    """The one-program form's body: the envelope exchange at its head (its last input the rows, its
+    last output every rank's fingerprint), then the data part under a ``lax.cond`` on whether every
+    fingerprint agrees, which every rank evaluates alike from the same rows."""
+    import jax
+    import jax.numpy as jnp
+
+    def body(*args):
+        xs, rows = [x[0] for x in args[:-1]], args[-1]
+        out_shapes = jax.eval_shape(lowering.body, *xs)  # inside shard_map: the axis is bound
+        fps = envelope.fingerprints(_exchange(rows[0]))
+        agree = jnp.all(fps == fps[0:1])
+        outs = jax.lax.cond(agree, lambda vs: lowering.body(*vs),
+                            lambda vs: tuple(jnp.zeros(o.shape, o.dtype) for o in out_shapes), xs)
+        return (*(o[None] for o in outs), fps[None])
+    return body
 
 
 # Data programs whose block is at most this size run with gloo's loop thread idle too (loop_idle).
