@@ -97,6 +97,7 @@ def _floor_fns(op: str, nbytes: int) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from tpudist.process_group import envelope, lowerings, programs, runtime
+    from tpudist.process_group.runtime import GLOO_LOOP
 
     n, axis = dist.get_world_size(), programs.AXIS
     group = tuple(range(n))
@@ -130,16 +131,22 @@ def _floor_fns(op: str, nbytes: int) -> dict:
     lowering = lowerings.LOWERINGS[op](key, me)
     fns = {"xla native": program(native, [block]),
            "tpudist lowering": program(lowering.body, lowering.split(block))}
-    # A collective that fits the envelope is the exchange alone; a larger one, the exchange and then
-    # its data program.
-    data = None if envelope.fits(key) else fns["tpudist lowering"]
-    fns[CHECKED] = _checked(data, programs.loop_idle(key, data is None), group, sharding, device)
+    # A collective that fits the envelope is the exchange alone; a larger one, once it recurs, one
+    # program with the exchange at its head (programs.Recurring); over IDLE_DATA_BYTES, the exchange
+    # and then its data program.
+    if envelope.fits(key):
+        fns[CHECKED] = _checked(None, True, group, sharding, device)
+    elif programs.loop_idle(key, False):
+        one = program(_one_program(lowering), [*lowering.split(block), np.zeros((n, envelope.WORDS), np.int32)])
+        fns[CHECKED] = lambda: (GLOO_LOOP.idle(True), one())  # as the one-program form runs
+    else:
+        fns[CHECKED] = _checked(fns["tpudist lowering"], False, group, sharding, device)
     for f in fns.values():
         f()
     return fns
 
 
-CHECKED = "checked floor"  # the exchange (+ the lowering): a collective that keeps the mismatch guarantee
+CHECKED = "checked floor"  # the exchange (+ the lowering, as tpudist runs it): a collective that keeps the mismatch guarantee
 
 
 def _checked(data, data_idle: bool, group: tuple[int, ...], sharding, device):
@@ -166,6 +173,15 @@ def _checked(data, data_idle: bool, group: tuple[int, ...], sharding, device):
     return run
 
 
+def _one_program(lowering):
+    """The one-program form's body (programs.checked_body) over unbatched pieces, as ``program``
+    takes them: the data inputs, then this rank's rows."""
+    from tpudist.process_group import programs
+
+    checked = programs.checked_body(lowering)
+    return lambda *xs: tuple(o[0] for o in checked(*(x[None] for x in xs)))
+
+
 def _from_root(x, axis):
     import jax
     import jax.numpy as jnp
@@ -177,6 +193,7 @@ def rank_compare(cases: list[tuple[str, int]], rounds: int, quick: bool, floors:
                  loop_policy: str | None = None) -> dict:
     """Every rank: per-call seconds of each (op, bytes) on tpu and on gloo (and the bare-XLA floors
     when asked), in alternating rounds. Returns rank 0's samples."""
+    from tpudist.process_group import programs
     from tpudist.process_group.runtime import GLOO_LOOP
 
     force = {None: None, "idle": True, "normal": False}[loop_policy]
@@ -192,6 +209,8 @@ def rank_compare(cases: list[tuple[str, int]], rounds: int, quick: bool, floors:
                 fns.update(_floor_fns(op, nbytes))
             for f in fns.values():  # compile, connect
                 f()
+            for _ in range(programs.FUSE_AFTER):  # the steady state: a collective that recurs
+                fns["tpu"]()
             samples = {k: [] for k in fns}
             calls = _calls_per_round(nbytes, quick)
             for r in range(rounds):
