@@ -17,6 +17,13 @@ def is_array(x) -> bool:
     return isinstance(x, (jax.Array, jax.core.Tracer))
 
 
+def is_number(x) -> bool:
+    """A Python number, or the weakly typed 0-d array the device passes one as (device/_core.py)."""
+    if is_array(x):
+        return x.ndim == 0 and bool(getattr(getattr(x, "aval", x), "weak_type", False))
+    return isinstance(x, (int, float))
+
+
 def _category(dtype) -> int:
     if dtype == np.bool_:
         return _BOOL
