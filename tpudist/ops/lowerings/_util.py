@@ -18,9 +18,11 @@ def is_array(x) -> bool:
 
 
 def is_number(x) -> bool:
-    """A Python number, or the weakly typed 0-d array the device passes one as (device/_core.py)."""
+    """A real Python number, or the weakly typed 0-d array the device passes one as
+    (device/_core.py)."""
     if is_array(x):
-        return x.ndim == 0 and bool(getattr(getattr(x, "aval", x), "weak_type", False))
+        return (x.ndim == 0 and np.dtype(x.dtype).kind != "c"
+                and bool(getattr(getattr(x, "aval", x), "weak_type", False)))
     return isinstance(x, (int, float))
 
 
