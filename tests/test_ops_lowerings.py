@@ -113,6 +113,13 @@ for _name in ["add", "sub", "mul", "eq", "ne", "lt", "le", "gt", "ge"]:
 for _name in ["bitwise_and", "bitwise_or", "bitwise_xor"]:
     DIRECT.append((getattr(prims, _name).default, (I, I.flip(0)), {}))
 DIRECT.append((prims.bitwise_not.default, (I,), {}))
+# group norm's backward (its OpInfo's backward runs torch's twice-differentiable composite instead)
+_GN_X, _GN_W, _GN_DY = _t(3, 6, 7), _t(6), _t(3, 6, 7)
+_, _GN_MEAN, _GN_RSTD = aten.native_group_norm(_GN_X, _GN_W, None, 3, 6, 7, 3, 1e-5)
+DIRECT += [(aten.native_group_norm_backward.default,
+            (_GN_DY, _GN_X, _GN_MEAN, _GN_RSTD, _GN_W, 3, 6, 7, 3, [True, True, True]), {}),
+           (aten.native_group_norm_backward.default,
+            (_GN_DY, _GN_X, _GN_MEAN, _GN_RSTD, None, 3, 6, 7, 3, [True, False, False]), {})]
 
 
 def _id(case):
