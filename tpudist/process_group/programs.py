@@ -142,14 +142,7 @@ class Compiled:
                 return dest, fps
             return result, fps
         GLOO_LOOP.idle(self.loop_idle)
-        if self.x64:  # JAX truncates 64-bit types unless x64 is on, in puts too (FACTS.md)
-            import jax
-
-            with jax.enable_x64(True):
-                outs = self._run_program(block)
-        else:  # the context costs ~2 us: only where needed
-            outs = self._run_program(block)
-        return self.lowering.join(block, outs, dest), fps
+        return self.lowering.join(block, self._run_program(self.fn, block), dest), fps
 
     def _rows_in(self, block: np.ndarray, fingerprint: np.ndarray) -> Any:
         """The envelope rows of this call, packed, as the global array the exchange reads."""
@@ -163,26 +156,28 @@ class Compiled:
         """``run`` in the one-program form: the program exchanges the rows and moves data only
         where every rank's fingerprint agrees (its ``lax.cond`` decides alike on every rank)."""
         x_rows = self._rows_in(block, fingerprint)
-        GLOO_LOOP.idle(True)  # recurring programs are all within IDLE_DATA_BYTES
-        if self.x64:
-            import jax
-
-            with jax.enable_x64(True):
-                *outs, fps = self._run_program(block, fused, x_rows)
-        else:
-            *outs, fps = self._run_program(block, fused, x_rows)
+        GLOO_LOOP.idle(self.loop_idle)  # idle: recurring programs are within IDLE_DATA_BYTES
+        *outs, fps = self._run_program(fused, block, x_rows)
         if not all_agree(fps, fingerprint):
             return None, fps  # no rank moved data
         return self.lowering.join(block, outs, dest), fps
 
-    def _run_program(self, block: np.ndarray, fn: Executable | None = None,
-                     *extra: Any) -> list[np.ndarray]:
+    def _run_program(self, fn: Executable, block: np.ndarray, *extra: Any) -> list[np.ndarray]:
+        """``fn`` on the block's pieces, then ``extra`` (the one-program form's rows)."""
+        if self.x64:  # JAX truncates 64-bit types unless x64 is on, in puts too (FACTS.md)
+            import jax
+
+            with jax.enable_x64(True):
+                return self._put_and_run(fn, block, extra)
+        return self._put_and_run(fn, block, extra)  # the context costs ~2 us: only where needed
+
+    def _put_and_run(self, fn: Executable, block: np.ndarray, extra: tuple) -> list[np.ndarray]:
         # Each input aliases the block's memory where it is aligned (batched_device_put builds
         # the global array in ~3 us, against ~70 us for device_put followed by
         # make_array_from_single_device_arrays: measured here, jax 0.10.2).
         inputs = [xla_batched_put(aval, self.sharding, piece, self.device)
                   for aval, piece in zip(self.avals, self.lowering.split(block))]
-        return (fn or self.fn)(*inputs, *extra)  # the program has finished: inputs are read
+        return fn(*inputs, *extra)  # the program has finished: inputs are read
 
 
 # A data program whose call every rank verified this many times switches to its one-program form.

@@ -102,7 +102,12 @@ def to_float(x):
 
 def upcast(x):
     """bf16/f16 as float32 for accumulation (torch's CPU kernels accumulate low precision in fp32)."""
-    return x.astype(jnp.float32) if np.dtype(x.dtype) in LOW_PRECISION else x
+    return x.astype(jnp.float32) if is_low_precision(x.dtype) else x
+
+
+def is_low_precision(dtype) -> bool:
+    """bf16 or f16: the dtypes torch's CPU kernels compute in float32."""
+    return np.dtype(dtype) in LOW_PRECISION
 
 
 def dim_of(dim, ndim: int) -> int:

@@ -13,8 +13,8 @@ import jax.scipy.special as jsp
 import numpy as np
 import torch
 
-from tpudist.ops.lowerings._util import (LOW_PRECISION, is_array, is_float, is_integral, is_number, is_one, promote,
-                                         result_type, to_float, upcast)
+from tpudist.ops.lowerings._util import (is_array, is_float, is_integral, is_low_precision, is_number, is_one,
+                                         promote, result_type, to_float, upcast)
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten
@@ -167,10 +167,6 @@ def nan_to_num(x, nan=None, posinf=None, neginf=None):
 # add/sub with alpha: x +- alpha * y, alpha first rounded to the dtype; mul and div by a Python
 # scalar: the scalar unrounded; addcmul and addcdiv: value unrounded, left to right.
 
-def _low(dtype) -> bool:
-    return np.dtype(dtype) in LOW_PRECISION
-
-
 def _wide(x):
     """An array operand as float32 where it is 16-bit; Python scalars stay (float32 when combined)."""
     return upcast(x) if is_array(x) else x
@@ -186,9 +182,9 @@ def _in_dtype(alpha, dtype):
 @lowers(aten.add.Tensor, aten.add.Scalar, prims.add.default)
 def add(x, y, *, alpha=1):
     x, y = promote(x, y)
-    dtype = result_type(x, y)
     if not is_one(alpha):
-        if _low(dtype):
+        dtype = result_type(x, y)
+        if is_low_precision(dtype):
             return (_wide(x) + _in_dtype(alpha, dtype) * _wide(y)).astype(dtype)
         y = y * alpha
     if is_array(x) and x.dtype == jnp.bool_:
@@ -202,7 +198,7 @@ def sub(x, y, *, alpha=1):
     if is_one(alpha):
         return x - y
     dtype = result_type(x, y)
-    if _low(dtype):
+    if is_low_precision(dtype):
         return (_wide(x) - _in_dtype(alpha, dtype) * _wide(y)).astype(dtype)
     return x - y * alpha
 
@@ -215,7 +211,7 @@ def rsub(x, y, *, alpha=1):
 def _low_by_number(x, y) -> bool:
     """``x`` a 16-bit float array and ``y`` a Python number: torch's kernel then computes in float32
     with the number unrounded (before promotion, which would round it to ``x``'s dtype)."""
-    return is_array(x) and not is_number(x) and _low(x.dtype) and is_number(y)
+    return is_array(x) and not is_number(x) and is_low_precision(x.dtype) and is_number(y)
 
 
 @lowers(aten.mul.Tensor, aten.mul.Scalar, prims.mul.default)
@@ -398,7 +394,7 @@ def lerp(start, end, weight):
 def addcmul(x, t1, t2, *, value=1):
     x, t1, t2 = promote(x, t1, t2)
     dtype = result_type(x, t1, t2)
-    if _low(dtype):
+    if is_low_precision(dtype):
         return (_wide(x) + _wide(value) * _wide(t1) * _wide(t2)).astype(dtype)
     return x + value * t1 * t2
 
@@ -407,7 +403,7 @@ def addcmul(x, t1, t2, *, value=1):
 def addcdiv(x, t1, t2, *, value=1):
     x, t1, t2 = promote(x, t1, t2)
     dtype = result_type(x, t1, t2)
-    if _low(dtype):
+    if is_low_precision(dtype):
         return (_wide(x) + _wide(value) * _wide(t1) / _wide(t2)).astype(dtype)
     return x + value * t1 / t2  # left to right, as torch's kernel
 

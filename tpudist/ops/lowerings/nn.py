@@ -226,7 +226,8 @@ def native_group_norm(x, weight, bias, n, c, hxw, group, eps):
     bf16 this matched torch bit for bit over 32,000 random elements, where ``(x - mean) * rstd *
     weight + bias`` (torch's decomposition) left one element 13 ulps off: near zero the two
     formulas cancel differently."""
-    groups = upcast(x).reshape(n, group, -1)
+    xf = upcast(x)
+    groups = xf.reshape(n, group, -1)
     mean = jnp.mean(groups, axis=-1)
     rstd = jax.lax.rsqrt(jnp.mean(jnp.square(groups - mean[..., None]), axis=-1) + eps)
     per = c // group
@@ -236,7 +237,7 @@ def native_group_norm(x, weight, bias, n, c, hxw, group, eps):
     shift = -scale * jnp.repeat(mean, per, axis=1)
     if bias is not None:
         shift = shift + upcast(bias)
-    out = upcast(x).reshape(n, c, -1) * scale[..., None] + shift[..., None]
+    out = xf.reshape(n, c, -1) * scale[..., None] + shift[..., None]
     return out.reshape(x.shape), mean, rstd
 
 
@@ -246,11 +247,11 @@ def native_group_norm_backward(grad_out, x, mean, rstd, weight, n, c, hxw, group
     in-place ``unsqueeze_``, which the table cannot run)."""
     per = c // group
     g = upcast(grad_out).reshape(n, group, per, -1)
-    xhat = (upcast(x).reshape(n, group, per, -1) - upcast(mean)[:, :, None, None]) * upcast(rstd)[:, :, None, None]
+    r = upcast(rstd)[:, :, None, None]
+    xhat = (upcast(x).reshape(n, group, per, -1) - upcast(mean)[:, :, None, None]) * r
     gw = g * upcast(weight).reshape(1, group, per, 1) if weight is not None else g
     axes = (2, 3)  # a group: its channels and their positions
-    grad_x = upcast(rstd)[:, :, None, None] * (gw - jnp.mean(gw, axis=axes, keepdims=True)
-                                                 - xhat * jnp.mean(gw * xhat, axis=axes, keepdims=True))
+    grad_x = r * (gw - jnp.mean(gw, axis=axes, keepdims=True) - xhat * jnp.mean(gw * xhat, axis=axes, keepdims=True))
     grad_w = jnp.sum(g * xhat, axis=(0, 3)).reshape(c) if weight is not None and output_mask[1] else None
     grad_b = jnp.sum(g, axis=(0, 3)).reshape(c) if output_mask[2] else None
     return grad_x.reshape(x.shape) if output_mask[0] else None, grad_w, grad_b
