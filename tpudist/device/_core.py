@@ -86,10 +86,10 @@ class Kernel:
             kind = spec[0]
             if kind == "T":
                 _, slot, sizes, strides, offset, dtype = spec
-                leaves.append(_retype(views.read(flats[slot], sizes, strides, offset), tops.to_jax_dtype(dtype)))
+                leaves.append(views.read_as(flats[slot], sizes, strides, offset, tops.to_jax_dtype(dtype)))
             elif kind == "B":  # a view with torch's lazy conjugate / negative bit: apply it on reading
                 _, slot, sizes, strides, offset, dtype, conj, neg = spec
-                value = _retype(views.read(flats[slot], sizes, strides, offset), tops.to_jax_dtype(dtype))
+                value = views.read_as(flats[slot], sizes, strides, offset, tops.to_jax_dtype(dtype))
                 value = jnp.conj(value) if conj else value
                 leaves.append(-value if neg else value)
             elif kind == "F":
@@ -124,9 +124,7 @@ class Kernel:
         for leaf, value in zip(self.targets, results):
             _, slot, sizes, strides, offset, dtype = self.leaf_specs[leaf]
             value = _cast(value, sizes, dtype)
-            if flats[slot].dtype != value.dtype:
-                value = _retype(value, flats[slot].dtype)
-            flats[slot] = views.write(flats[slot], value, sizes, strides, offset)
+            flats[slot] = views.write_as(flats[slot], value, sizes, strides, offset)
         return [flats[s] for s in self.written_slots]
 
 

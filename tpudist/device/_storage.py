@@ -88,7 +88,7 @@ def value_of(t: torch.Tensor):
         want = tops.to_jax_dtype(t.dtype)
 
         def read(f):
-            return _retype(views.read(f, sizes, strides, offset), want)
+            return views.read_as(f, sizes, strides, offset, want)
 
         reader = _READERS[key] = jax.jit(read)
     with jax.enable_x64(True):

@@ -152,3 +152,60 @@ def write(flat, value, sizes, strides, offset):
     block = _rows_write(block, value, sub_sizes[1:], sub_strides[1:]).reshape(-1)
     keep = min(first, n - offset)
     return lax.dynamic_update_slice(flat, block[:keep], (offset,))
+
+
+# -- views of another dtype over the same bytes (view(dtype), view_as_real, view_as_complex, real, imag) --
+
+
+def reinterpret(flat, dtype):
+    """The flat storage ``flat`` read as elements of ``dtype`` (same bytes, element count scaled).
+
+    torch lets a view change the element type of its storage: ``view_as_real`` reads a complex64
+    storage as float32 pairs, ``view_as_complex`` the reverse, ``x.view(torch.uint8)`` bytes. The
+    view's sizes, strides and offset count elements of its own dtype, so the storage is reinterpreted
+    first and the view read from that. XLA's bitcast changes element sizes (adding or dropping a minor
+    dim) but has no complex types: a complex storage is its (real, imag) pairs of the component type.
+    A storage whose bytes do not fill a whole number of wider elements is zero-padded at the end
+    (torch's views never read those bytes).
+    """
+    want = np.dtype(dtype)
+    have = np.dtype(flat.dtype)
+    if have == want:
+        return flat
+    if have.kind == "c":
+        pairs = jnp.stack([jnp.real(flat), jnp.imag(flat)], axis=-1).reshape(-1)
+        return reinterpret(pairs, want)
+    if want.kind == "c":
+        part = np.dtype(jnp.real(jnp.zeros((), want)).dtype)
+        pairs = reinterpret(flat, part)
+        if pairs.shape[0] % 2:
+            pairs = jnp.pad(pairs, (0, 1))
+        pairs = pairs.reshape(-1, 2)
+        return lax.complex(pairs[:, 0], pairs[:, 1])
+    if have.itemsize == want.itemsize:
+        return lax.bitcast_convert_type(flat, want)
+    if have.itemsize > want.itemsize:
+        return lax.bitcast_convert_type(flat, want).reshape(-1)
+    ratio = want.itemsize // have.itemsize
+    if flat.shape[0] % ratio:
+        flat = jnp.pad(flat, (0, ratio - flat.shape[0] % ratio))
+    return lax.bitcast_convert_type(flat.reshape(-1, ratio), want)
+
+
+def _restore(flat, dtype, numel: int):
+    """``reinterpret`` back to the storage's ``dtype`` and element count (drops the padding)."""
+    back = reinterpret(flat, dtype)
+    return back[:numel] if back.shape[0] != numel else back
+
+
+def read_as(flat, sizes, strides, offset, dtype):
+    """The value of the view ``(sizes, strides, offset)`` of dtype ``dtype`` over the flat storage."""
+    return read(reinterpret(flat, dtype), sizes, strides, offset)
+
+
+def write_as(flat, value, sizes, strides, offset):
+    """``flat`` with the view ``(sizes, strides, offset)`` of ``value``'s dtype replaced by ``value``."""
+    if np.dtype(value.dtype) == np.dtype(flat.dtype):
+        return write(flat, value, sizes, strides, offset)
+    written = write(reinterpret(flat, value.dtype), value, sizes, strides, offset)
+    return _restore(written, flat.dtype, flat.shape[0])
