@@ -74,6 +74,8 @@ def custom_jax_kernel(name: str, *, backward: Callable | None = None, reference:
 class JaxKernel:
     """A JAX function registered as the torch ops ``op`` and ``backward_op``; call it like the function."""
 
+    required_statics = False  # static arguments without a default (Helion kernels' scalars may have none)
+
     def __init__(self, fn: Callable, name: str, *, backward: Callable | None, reference: Callable | None,
                  shard_dims: str | None, num_outputs: int, check: Callable | None):
         if not re.fullmatch(r"[A-Za-z_]\w*::[A-Za-z_]\w*", name or ""):
@@ -84,7 +86,8 @@ class JaxKernel:
             raise ValueError(f"kernel {name}: num_outputs={num_outputs} must be >= 1")
         self.fn, self.name, self.num_outputs = fn, name, num_outputs
         self.user_backward, self.reference, self.check = backward, reference, check
-        self.tensor_names, self.optional, self.static_defaults, static_types = _parameters(fn, name)
+        self.tensor_names, self.optional, self.static_defaults, static_types = _parameters(
+            fn, name, self.required_statics)
         self.shard_dims = None if shard_dims is None else ShardDims.parse(
             shard_dims, len(self.tensor_names), num_outputs, name)
         self._runners: dict[tuple, Callable] = {}
@@ -94,7 +97,8 @@ class JaxKernel:
         namespace, opname = name.split("::")
         tensors = ", ".join(f"Tensor? {n}=None" if o else f"Tensor {n}" for n, o in zip(self.tensor_names, self.optional))
         backward_tensors = ", ".join(f"Tensor{'?' if o else ''} {n}" for n, o in zip(self.tensor_names, self.optional))
-        statics = ", ".join(f"{static_types[n]} {n}={_schema_default(d)}" for n, d in self.static_defaults.items())
+        statics = ", ".join(f"{static_types[n]} {n}" + ("" if d is inspect.Parameter.empty else f"={_schema_default(d)}")
+                            for n, d in self.static_defaults.items())
         kw = f", *, {statics}" if statics else ""
         outs = "Tensor" if num_outputs == 1 else "(" + ", ".join(["Tensor"] * num_outputs) + ")"
         grads = "Tensor" if len(self.tensor_names) == 1 else "(" + ", ".join(["Tensor"] * len(self.tensor_names)) + ")"
@@ -391,7 +395,7 @@ class JaxKernel:
         return 2
 
 
-def _parameters(fn: Callable, name: str):
+def _parameters(fn: Callable, name: str, required_statics: bool = False):
     names, optional, defaults, types = [], [], {}, {}
     for p in inspect.signature(fn).parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -399,7 +403,7 @@ def _parameters(fn: Callable, name: str):
                             "positionally and each static argument keyword-only")
         if p.kind is p.KEYWORD_ONLY:
             kind = _static_type(p, name)
-            if p.default is p.empty:
+            if p.default is p.empty and not required_statics:
                 raise TypeError(f"kernel {name}: static argument {p.name} needs a default (e.g. eps: float = 1e-6)")
             types[p.name], defaults[p.name] = kind, p.default
             continue
