@@ -145,8 +145,13 @@ def raise_if_missing(graph: torch.fx.Graph) -> None:
 def _partition(joint, joint_inputs, **kwargs):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+    from tpudist.compile.program import host_constants
+
     raise_if_missing(joint.graph)  # forward and backward ops, before anything is compiled
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    graphs = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    for gm in graphs:
+        host_constants(gm)
+    return graphs
 
 
 def _compiler(kind: str, opts: Options):

@@ -483,13 +483,39 @@ def _lowerings_digest(gm: torch.fx.GraphModule) -> str:
     return h.hexdigest()
 
 
-def _fetch_attr(gm, target: str):
+def host_constants(gm: torch.fx.GraphModule) -> None:
+    """Replaces ``gm``'s tensor constants with their host copies (:func:`_fetch_attr`), in place.
+
+    AOTAutograd deep-copies the backward graph module before compiling it, and deep-copying a "tpu"
+    tensor goes through a device storage copy that torch 2.13 cannot make for a Python device (it
+    crashes the process). The programs read constants as host data anyway."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            owner, _, name = node.target.rpartition(".")
+            value = _fetch_attr(gm, node.target)
+            setattr(gm.get_submodule(owner) if owner else gm, name, value)
+
+
+def _fetch_attr(gm, target: str) -> torch.Tensor:
+    """A graph constant (``get_attr``: ``torch.tensor([...])`` in a forward, a lifted buffer) as a
+    contiguous CPU tensor of its own: the program takes it as an input, placed once per program.
+
+    AOTAutograd calls the graph compilers with its FakeTensorMode active, where any op on the real
+    constant (even ``detach``) asserts; the copy is made with the mode switched off. A "tpu" device
+    constant is read to the host here, once, so one path serves both devices (and the program key
+    hashes its bytes)."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
     obj = gm
     for part in target.split("."):
         obj = getattr(obj, part)
     if not isinstance(obj, torch.Tensor):
         raise UnsupportedGraph(f"graph attribute {target} is a {type(obj).__name__}, not a tensor")
-    return obj.detach()
+    if isinstance(obj, FakeTensor):
+        raise UnsupportedGraph(f"graph attribute {target} is a FakeTensor (shape={tuple(obj.shape)}, "
+                               f"dtype={obj.dtype}) with no value; the tpu backend needs real constants")
+    with unset_fake_temporarily(), torch.no_grad():
+        return obj.detach().to("cpu", copy=True).contiguous()
 
 
 def _jax_dtype(dtype: torch.dtype):
