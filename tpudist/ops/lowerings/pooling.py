@@ -44,8 +44,8 @@ def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, div
     total = jax.lax.reduce_window(xf, 0.0, jax.lax.add, window, strides, pads)
     if divisor_override:
         return total / divisor_override
-    if count_include_pad:  # padding counts, the extra ceil_mode cells do not
-        ones = jnp.pad(jnp.ones(sizes, xf.dtype), [(pp, pp) for pp in p])
+    if count_include_pad:  # padding cells count (as ones), the extra ceil_mode cells do not
+        ones = jnp.ones([size + 2 * pp for size, pp in zip(sizes, p)], xf.dtype)
         pads_ones = [(0, e) for e in extra]
     else:
         ones = jnp.ones(sizes, xf.dtype)

@@ -1,0 +1,439 @@
+"""PyTorch's ModuleInfo database (``module_db``) on "tpu" tensors, compared with CPU eager torch.
+
+For each ModuleInfo (float32) its ``module_inputs_func`` gives constructor and forward inputs. Each input
+builds the module on the CPU with a fixed seed; a deep copy is moved with ``.to("tpu")`` and both run:
+- ``.to()``: the same Parameter objects before and after (torch's default ``torch.__future__`` flags keep
+  them and swap their ``.data``, as on CUDA), as many ``named_parameters()`` as on the CPU, every
+  parameter and buffer on "tpu" with its CPU dtype, ``state_dict`` keys equal, and equal values after a
+  round trip ``.to("tpu").to("cpu")``;
+- forward outputs (values, dtypes, shapes), in train mode;
+- backward with a fixed random cotangent per floating output: gradients of the inputs and parameters;
+- buffers after the train-mode forward (BatchNorm running stats, ``num_batches_tracked``);
+- a second forward in eval mode for modules whose train and eval modes differ;
+- the first input again in Fused mode (forward and backward as one program), unless
+  ``TPUDIST_MODULES_FUSED=0``.
+Modules whose results are random in train mode are compared on dtypes and shapes there (``RANDOM``).
+
+A ModuleInfo fails if any input mismatches or raises an error CPU torch does not; it is unsupported
+(a skip naming the op) if an input reaches an op without a lowering (``UnsupportedOp`` or a
+``NotImplementedError`` naming an aten op); otherwise it passes. By default ``SUBSET`` runs (the modules
+real models use, ~35, at most ``MAX_INPUTS`` inputs each, spread over the ModuleInfo's list);
+``TPUDIST_MODULES_ALL=1`` runs all of ``module_db`` plus ``EXTRA_MODULES``; ``TPUDIST_MODULES_MAX_INPUTS``
+changes the cap. The module prints its counts, the failing modules and the missing ops ranked by the
+number of modules each blocks at its end (shown with ``-s``).
+Everything runs in one worker process (a ``RankPool`` of one rank without a process group), because
+importing ``tpudist.device`` renames PrivateUse1 for the whole process.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+
+import pytest
+
+from tpudist.testing import RankPool
+
+ALL = bool(os.environ.get("TPUDIST_MODULES_ALL"))
+MAX_INPUTS = int(os.environ.get("TPUDIST_MODULES_MAX_INPUTS") or (6 if ALL else 3))
+FUSED = os.environ.get("TPUDIST_MODULES_FUSED", "1") != "0"
+
+# What a model is built from: linear and conv layers, norms, embeddings, recurrent layers, attention and
+# transformer blocks, activations, dropout, pooling, losses, reshaping.
+SUBSET = (
+    "nn.Linear", "nn.Bilinear", "nn.Conv1d", "nn.Conv2d", "nn.Conv3d", "nn.ConvTranspose2d",
+    "nn.BatchNorm1d", "nn.BatchNorm2d", "nn.BatchNorm3d", "nn.LayerNorm", "nn.RMSNorm", "nn.GroupNorm",
+    "nn.InstanceNorm2d", "nn.Embedding", "nn.EmbeddingBag", "nn.LSTM", "nn.GRU", "nn.RNN",
+    "nn.MultiheadAttention", "nn.TransformerEncoderLayer", "nn.TransformerDecoderLayer", "nn.Transformer",
+    "nn.ReLU", "nn.GELU", "nn.SiLU", "nn.Tanh", "nn.Softmax", "nn.LogSoftmax", "nn.Dropout", "nn.MaxPool2d",
+    "nn.AvgPool2d", "nn.AdaptiveAvgPool2d", "nn.CrossEntropyLoss", "nn.MSELoss", "nn.NLLLoss",
+    "nn.BCEWithLogitsLoss", "nn.L1Loss", "nn.SmoothL1Loss", "nn.Flatten", "nn.Unflatten",
+)
+
+# Modules module_db lacks that models use (their inputs are defined below, in the worker's part).
+EXTRA_MODULES = ("nn.Dropout", "nn.Dropout2d", "nn.RReLU", "nn.EmbeddingBag", "nn.Flatten", "nn.Unflatten",
+                 "nn.Identity")
+
+# Train-mode results drawn from the RNG: the device draws from JAX's generator, not torch's CPU one, so
+# the same seed gives other numbers. Compared on dtypes and shapes in train mode, on values in eval mode.
+RANDOM = {
+    "nn.Dropout": "zeroes elements drawn from the RNG",
+    "nn.Dropout2d": "zeroes channels drawn from the RNG",
+    "nn.RReLU": "draws its negative slopes from the RNG",
+}
+
+# float32 tolerances (rtol, atol). Module outputs sum many products (matmuls, convolutions, norms) and
+# XLA's and MKL's summation orders differ: torch's own float32 default (1.3e-6, 1e-5) is too tight for
+# those, so 1e-5/1e-5; gradients go through several such ops: 1e-4/1e-5.
+FORWARD_TOL = (1e-5, 1e-5)
+GRAD_TOL = (1e-4, 1e-5)
+
+
+def _names():
+    if not ALL:
+        return list(SUBSET)
+    from torch.testing._internal.common_modules import module_db  # ~7 s: only for the full run
+
+    names = [info.name for info in module_db]
+    return names + [n for n in EXTRA_MODULES if n not in names]
+
+
+NAMES = _names()
+
+
+# -- in the worker ------------------------------------------------------------------------------------
+
+
+def _extra_infos():
+    """ModuleInfos for EXTRA_MODULES, in module_db's form."""
+    from functools import partial
+
+    import torch
+    from torch.testing import make_tensor
+    from torch.testing._internal.common_modules import FunctionInput, ModuleInfo, ModuleInput
+
+    def inputs(cases):
+        def fn(module_info, device, dtype, requires_grad, training, **kwargs):
+            make = partial(make_tensor, device=device, dtype=dtype, requires_grad=requires_grad)
+            return [ModuleInput(FunctionInput(*ctor_args, **ctor_kwargs), FunctionInput(*forward(make)), desc=desc)
+                    for desc, ctor_args, ctor_kwargs, forward in cases]
+        return fn
+
+    def bag_input(make):
+        return (torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 3, 5]))
+
+    cases = {
+        "nn.Dropout": [("p0.5", (0.5,), {}, lambda m: (m((4, 10)),)), ("p0", (0.0,), {}, lambda m: (m((3, 5)),))],
+        "nn.Dropout2d": [("", (0.5,), {}, lambda m: (m((2, 4, 3, 3)),))],
+        "nn.RReLU": [("", (), {}, lambda m: (m((4, 6)),)), ("bounds", (0.1, 0.3), {}, lambda m: (m((3, 5)),))],
+        "nn.EmbeddingBag": [
+            ("mean_offsets", (10, 3), {}, bag_input),
+            ("sum_offsets", (10, 3), {"mode": "sum"}, bag_input),
+            ("max_2d", (10, 3), {"mode": "max"}, lambda m: (torch.tensor([[1, 2, 4], [4, 3, 2]]),)),
+            ("per_sample_weights", (10, 3), {"mode": "sum"},
+             lambda m: (*bag_input(m), m((8,)))),
+        ],
+        "nn.Flatten": [("", (), {}, lambda m: (m((2, 3, 4, 5)),)), ("dims", (0, 1), {}, lambda m: (m((2, 3, 4)),))],
+        "nn.Unflatten": [("", (1, (2, 3)), {}, lambda m: (m((4, 6, 5)),)),
+                         ("last", (-1, (2, -1)), {}, lambda m: (m((3, 8)),))],
+        "nn.Identity": [("", (), {}, lambda m: (m((3, 4)),))],
+    }
+    differ = {"nn.Dropout", "nn.Dropout2d", "nn.RReLU"}
+    return {name: ModuleInfo(getattr(torch.nn, name[3:]), module_inputs_func=inputs(c),
+                             train_and_eval_differ=name in differ)
+            for name, c in cases.items()}
+
+
+def _find(name):
+    from torch.testing._internal.common_modules import module_db
+
+    for info in module_db:
+        if info.name == name:
+            return info
+    extra = _extra_infos()
+    if name in extra:
+        return extra[name]
+    raise LookupError(f"no ModuleInfo {name!r} in module_db or EXTRA_MODULES")
+
+
+def _spread(items, k):
+    """At most ``k`` of ``items``, evenly spread (the first and the last included)."""
+    if len(items) <= k:
+        return list(items)
+    if k == 1:
+        return [items[0]]
+    return [items[round(i * (len(items) - 1) / (k - 1))] for i in range(k)]
+
+
+def _to_device(x, device):
+    """Tensors in ``x`` (nested tuples, lists, dicts, PackedSequence) on ``device``: new leaves that keep
+    ``requires_grad``, so the device run has gradients of its own to compare."""
+    import torch
+    from torch.nn.utils.rnn import PackedSequence
+
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(device).requires_grad_(x.requires_grad)
+    if isinstance(x, PackedSequence):
+        return PackedSequence(_to_device(x.data, device), x.batch_sizes, x.sorted_indices, x.unsorted_indices)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_device(i, device) for i in x)
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    return x
+
+
+def _tensors(x):
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def _to_cpu(x):
+    import torch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, x)
+
+
+class _Problems(list):
+    """The differences found for one input, as "phase: what differs" lines (every phase runs)."""
+
+    def check(self, phase, expected, actual, *, values=True, tol=FORWARD_TOL):
+        from tpudist.ops.opcheck import compare
+
+        why = compare(expected, actual, values=values, rtol=tol[0], atol=tol[1])
+        if why is not None:
+            self.append(f"{phase}: {why}")
+
+
+def _check_move(cpu_module, problems):
+    """``.to("tpu")`` on a deep copy of ``cpu_module``; returns the moved copy after checking it."""
+    import copy
+
+    import torch
+
+    moved = copy.deepcopy(cpu_module)
+    params_before = list(moved.parameters())
+    moved.to("tpu")
+    _move_plain_tensors(moved)
+    params_after = list(moved.parameters())
+    if [id(p) for p in params_after] != [id(p) for p in params_before]:
+        problems.append(".to identity: Parameter objects replaced (torch keeps them and swaps their .data "
+                        "for CPU/CUDA tensors)")
+    n_cpu, n_dev = len(list(cpu_module.named_parameters())), len(list(moved.named_parameters()))
+    if n_cpu != n_dev:
+        problems.append(f".to: named_parameters() count {n_dev}, torch gives {n_cpu}")
+    expected = dict(cpu_module.named_parameters()) | dict(cpu_module.named_buffers())
+    for key, t in [*moved.named_parameters(), *moved.named_buffers()]:
+        if t.device.type != "tpu" or t.dtype != expected[key].dtype:
+            problems.append(f".to: {key} is {t.device}/{t.dtype}, expected tpu/{expected[key].dtype}")
+    cpu_state = cpu_module.state_dict()
+    if list(moved.state_dict()) != list(cpu_state):
+        problems.append(f".to: state_dict keys {list(moved.state_dict())}, torch gives {list(cpu_state)}")
+    back = copy.deepcopy(cpu_module).to("tpu").to("cpu").state_dict()
+    for key, value in cpu_state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if back[key].device.type != "cpu" or back[key].dtype != value.dtype or not torch.equal(back[key], value):
+            problems.append(f".to round trip: state_dict[{key!r}] differs after .to('tpu').to('cpu')")
+    return moved
+
+
+def _move_plain_tensors(module):
+    """Tensor attributes that are neither parameters nor buffers stay where ``.to`` found them (on CUDA as
+    here): FractionalMaxPool's ``_random_samples`` is one. A user moves them by hand; so does this test."""
+    import torch
+
+    for sub in module.modules():
+        for key, value in list(vars(sub).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(sub, key, value.to("tpu"))
+
+
+def _cotangents(outputs):
+    """A fixed random cotangent for each floating output that requires grad (same seed on both sides)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    flat = [o for o in _tensors(outputs) if o.requires_grad and o.dtype.is_floating_point]
+    return flat, [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in flat]
+
+
+def _backward(outputs, device):
+    import torch
+
+    flat, cots = _cotangents(outputs)
+    if flat:
+        torch.autograd.backward(flat, [c.to(device) for c in cots])
+    return bool(flat)
+
+
+def _grads(module, inputs):
+    return ([t.grad for t in _tensors(inputs) if t.requires_grad],
+            [p.grad for p in module.parameters()])
+
+
+def _compare_grads(problems, cpu_grads, dev_grads):
+    (cpu_in, cpu_params), (dev_in, dev_params) = cpu_grads, dev_grads
+    for kind, exp, act in (("input", cpu_in, dev_in), ("parameter", cpu_params, dev_params)):
+        for i, (e, a) in enumerate(zip(exp, act)):
+            if (e is None) != (a is None):
+                problems.append(f"backward: {kind} {i} grad is {'None' if a is None else 'set'}, torch's is "
+                                f"{'None' if e is None else 'set'}")
+            elif e is not None:
+                problems.check(f"backward: {kind} {i} grad", e, _to_cpu(a), tol=GRAD_TOL)
+
+
+def _named(tensors: dict):
+    """A name -> tensor dict as a comparable list (opcheck.compare compares sequences)."""
+    return [*tensors, *(_to_cpu(t) for t in tensors.values())]
+
+
+def _run_input(name, info, module_input, training, fused) -> list[str]:
+    """Compares one ModuleInput on the device with CPU torch; the differences found."""
+    import torch
+
+    problems = _Problems()
+    ctor, fwd = module_input.constructor_input, module_input.forward_input
+    random = name in RANDOM and training
+    torch.manual_seed(0)
+    cpu_module = info.module_cls(*ctor.args, **ctor.kwargs).to(torch.float32)
+    cpu_args, cpu_kwargs = fwd.args, fwd.kwargs
+    if info.is_lazy:  # lazy parameters take their shapes from a first input
+        with torch.no_grad():
+            cpu_module(*cpu_args, **cpu_kwargs)
+    cpu_module.train(training)
+    dev_module = _check_move(cpu_module, problems)
+    dev_args, dev_kwargs = _to_device((cpu_args, cpu_kwargs), "tpu")
+    for t in _tensors((cpu_args, cpu_kwargs)):  # inputs made by a view (Transformer's transposed src): as leaves
+        if t.requires_grad and not t.is_leaf:
+            t.retain_grad()
+
+    with torch.tpu.eager_mode("fused" if fused else "strict"):
+        expected = cpu_module(*cpu_args, **cpu_kwargs)
+        actual = dev_module(*dev_args, **dev_kwargs)
+        problems.check("forward", expected, _to_cpu(actual), values=not random)
+        if not random and _backward(expected, "cpu"):
+            _backward(actual, "tpu")
+            _compare_grads(problems, _grads(cpu_module, (cpu_args, cpu_kwargs)),
+                           _grads(dev_module, (dev_args, dev_kwargs)))
+    problems.check("buffers after forward", _named(dict(cpu_module.named_buffers())),
+                   _named(dict(dev_module.named_buffers())))
+    if info.train_and_eval_differ and training and not fused:
+        cpu_module.eval()
+        dev_module.eval()
+        with torch.no_grad():
+            expected = cpu_module(*cpu_args, **cpu_kwargs)
+            actual = dev_module(*dev_args, **dev_kwargs)
+        problems.check("eval forward", expected, _to_cpu(actual))
+    return problems
+
+
+_LOWERS = re.compile(r"lowers\((torch\.ops\.[\w.]+)\)")
+_ATEN = re.compile(r"(aten::[\w.]+)")
+
+
+def _unsupported_op(err) -> str | None:
+    """The op an error says has no lowering on the device, or None if it is not such an error."""
+    reached = getattr(err, "reached", None)
+    if reached is not None:
+        return str(reached)
+    if not isinstance(err, NotImplementedError):
+        return None
+    text = str(err)
+    found = _LOWERS.search(text) or _ATEN.search(text)
+    if found is None:
+        return None
+    return found.group(1).replace("torch.ops.", "").replace("::", ".")
+
+
+def run_module_on_device(name: str) -> dict:
+    """Outcomes of one ModuleInfo: {"inputs": n, "outcomes": [(desc, status, detail)]}.
+
+    status: pass | mismatch | error | unsupported (detail: the op) | reference_error (CPU torch raised).
+    """
+    import warnings
+
+    import torch
+
+    import tpudist.device  # noqa: F401
+
+    warnings.filterwarnings("ignore")
+    info = _find(name)
+    training = True
+    # torch's own generators make every input on the CPU; the device copies them
+    all_inputs = list(info.module_inputs_func(info, device="cpu", dtype=torch.float32, requires_grad=True,
+                                              training=training))
+    chosen = _spread(all_inputs, MAX_INPUTS)
+    outcomes = []
+    for i, module_input in enumerate(chosen):
+        desc = module_input.desc or f"#{all_inputs.index(module_input)}"
+        outcomes.append((desc, *_outcome(name, info, module_input, training, fused=False)))
+    first_pass = next((m for m, o in zip(chosen, outcomes) if o[1] == "pass"), None)
+    if FUSED and first_pass is not None:
+        # the inputs' grads from the strict run must not add up with the fused run's
+        fresh = info.module_inputs_func(info, device="cpu", dtype=torch.float32, requires_grad=True,
+                                        training=training)
+        module_input = fresh[all_inputs.index(first_pass)]
+        outcomes.append((f"fused:{module_input.desc}", *_outcome(name, info, module_input, training, fused=True)))
+    return {"inputs": len(all_inputs), "outcomes": outcomes}
+
+
+def _outcome(name, info, module_input, training, fused):
+    import torch
+
+    ctor, fwd = module_input.constructor_input, module_input.forward_input
+    try:  # torch itself rejects the input: nothing to compare (not counted against the device)
+        torch.manual_seed(0)
+        reference = info.module_cls(*ctor.args, **ctor.kwargs)
+        if info.is_lazy:
+            with torch.no_grad():
+                reference(*_to_device(fwd.args, "cpu"), **_to_device(fwd.kwargs, "cpu"))
+    except Exception as err:  # noqa: BLE001
+        return "reference_error", f"{type(err).__name__}: {str(err)[:200]}"
+    try:
+        problems = _run_input(name, info, module_input, training, fused)
+    except Exception as err:  # noqa: BLE001 - classified, reported with its message
+        op = _unsupported_op(err)
+        if op is not None:
+            return "unsupported", op
+        return "error", f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+    return ("mismatch", " | ".join(p[:300] for p in problems)) if problems else ("pass", "")
+
+
+# -- tests --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dev():
+    with RankPool(1, backend=None, timeout=900, env={"TPUDIST_EAGER_MODE": "strict"}) as pool:
+        yield lambda fn, *a: pool.run(fn, *a)[0]
+
+
+RESULTS: dict = {}
+
+
+def _kind(outcomes) -> str:
+    statuses = {s for _, s, _ in outcomes}
+    if statuses & {"mismatch", "error"}:
+        return "fail"
+    if "unsupported" in statuses:
+        return "unsupported"
+    return "pass"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_module_on_device(dev, name):
+    result = RESULTS[name] = dev(run_module_on_device, name)
+    outcomes = result["outcomes"]
+    bad = [o for o in outcomes if o[1] in ("mismatch", "error")]
+    assert not bad, "\n".join(f"{desc}: {status}: {detail}" for desc, status, detail in bad)
+    missing = sorted({detail for _, s, detail in outcomes if s == "unsupported"})
+    if missing:
+        passed = sum(1 for o in outcomes if o[1] == "pass")
+        pytest.skip(f"reaches ops with no lowering: {', '.join(missing)} ({passed}/{len(outcomes)} inputs pass)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def summary():
+    """Prints counts, failing modules and missing ops (ranked by modules blocked) at the end (``-s``)."""
+    yield
+    if not RESULTS:
+        return
+    kinds = collections.Counter(_kind(r["outcomes"]) for r in RESULTS.values())
+    samples = collections.Counter(s for r in RESULTS.values() for _, s, _ in r["outcomes"])
+    blocked = collections.defaultdict(set)
+    lines = []
+    for name, r in RESULTS.items():
+        for _, status, detail in r["outcomes"]:
+            if status == "unsupported":
+                blocked[detail].add(name)
+        if _kind(r["outcomes"]) == "fail":
+            first = next(f"{d}: {s}: {x}" for d, s, x in r["outcomes"] if s in ("mismatch", "error"))
+            lines.append(f"  FAIL {name}: {first[:240]}")
+    print(f"\nModuleInfo on the tpu device: {len(RESULTS)} modules: {dict(kinds)}; inputs: {dict(samples)}")
+    print("\n".join(lines))
+    for op, names in sorted(blocked.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        print(f"  missing {op}: blocks {len(names)} modules: {' '.join(sorted(names))}")
