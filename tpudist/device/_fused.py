@@ -173,8 +173,15 @@ def _load_or_compile(g: Graph, live, sc):
             except Exception:  # noqa: BLE001 - a stale or truncated entry: trace again and overwrite it
                 rt.stats["disk_cache_errors"] += 1
     if exported is None:
-        with jax.enable_x64(True):
-            exported = export.export(_program(g.nodes, live))(g.inputs, sc)
+        try:
+            with jax.enable_x64(True):
+                exported = export.export(_program(g.nodes, live))(g.inputs, sc)
+        except NotImplementedError as e:
+            if "host_callbacks" not in str(e):
+                raise
+            # jax.export cannot serialize host callbacks (the runtime checks of _functional_assert_async):
+            # such a program is jitted as it is, and not kept on disk
+            return _program(g.nodes, live)
         if path is not None:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
