@@ -152,7 +152,8 @@ class HelionKernel(JaxKernel):
 
         def helion_jax(*arrays, **statics):
             it = iter(arrays)
-            return runner.run([next(it) if p.tensor else statics[p.name] for p in params])
+            return runner.run([next(it) if p.tensor else p.kind(statics[p.name]) for p in params],
+                              [p.tensor for p in params])
 
         signature = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                        default=None if p.optional else inspect.Parameter.empty)
@@ -184,7 +185,8 @@ class _HelionRunner:
             kernel.settings.pallas_interpret = True  # Pallas compiles for TPU only; CPU interprets it
         self._fallback: Any = None
 
-    def run(self, args: list):
+    def run(self, args: list, is_tensor: list[bool]):
+        """``args`` in Helion's order: arrays (or None) where ``is_tensor``, Python scalars elsewhere."""
         from helion.runtime.pallas.jax_export import _JaxExportTensor
 
         # Helion's jax_fn wraps bare arrays with its guess of the device ("tpu" once tpudist.device is
@@ -194,7 +196,8 @@ class _HelionRunner:
         # Helion drives its torch-flavoured host wrapper on meta tensors; a caller's dispatch mode (the
         # compile backend lowers under FakeTensorMode) must not turn them into fakes.
         with _disable_current_modes():
-            adapters = [_JaxExportTensor.from_jax(a, device=device) if hasattr(a, "shape") else a for a in args]
+            adapters = [_JaxExportTensor.from_jax(a, device=device) if tensor and a is not None else a
+                        for a, tensor in zip(args, is_tensor)]
             self._ensure_config(adapters)
             return self.kernel.jax_fn(*adapters)
 
@@ -372,12 +375,13 @@ def _on_tpu_backend() -> bool:
 def _jax_backward(kernel, params: list[_Param]) -> Callable:
     """A Helion backward kernel (tensor inputs, output gradients, scalars) as a JAX ``backward=``."""
     runner = _HelionRunner(kernel)
-    statics = [p.name for p in params if not p.tensor]
+    statics = [p for p in params if not p.tensor]
 
     def backward(*args, **kw):
         *xs, grad = args
         grads = grad if isinstance(grad, tuple) else (grad,)
-        return runner.run([*xs, *grads, *(kw[n] for n in statics)])
+        return runner.run([*xs, *grads, *(p.kind(kw[p.name]) for p in statics)],
+                          [True] * (len(xs) + len(grads)) + [False] * len(statics))
 
     return backward
 
