@@ -382,8 +382,9 @@ def execute(op, args, kwargs):
         kernel, leaves, buffers, scalars = kernel_for(op, args, kwargs)
     except _DataDependent:
         return run_concrete(op, args, kwargs)
-    except tops.UnsupportedOp:
+    except tops.UnsupportedOp as missing:
         if rt.cpu_fallback():
+            _check_cpu_kernel(op, missing)
             return run_on_cpu(op, args, kwargs)
         raise
     if kernel.random:
@@ -442,6 +443,14 @@ def run_concrete(op, args, kwargs):
 
     out, out_def = tree_flatten(result)
     return tree_unflatten([wrap(r) for r in out], out_def)
+
+
+def _check_cpu_kernel(op, missing) -> None:
+    """The CPU fallback runs whatever torch's dispatcher picks for CPU tensors (a CPU kernel, else a
+    composite one); an op with none (CUDA-only ops like _thnn_fused_lstm_cell) cannot fall back."""
+    if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), "CPU"):  # noqa: SLF001
+        raise tops.UnsupportedOp(op, " and no CPU or composite kernel either, so the CPU fallback cannot run it",
+                                 reached=missing.reached) from missing
 
 
 def run_on_cpu(op, args, kwargs):
