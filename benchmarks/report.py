@@ -318,7 +318,11 @@ def render() -> None:
                 ""]
         if "first_two_steps_s" in p:
             out += ["First two steps (compiles): " + ", ".join(f"{k} {v:.2f} s" for k, v in p["first_two_steps_s"].items())
-                    + f". Compiled during the timed rounds: {p.get('compiled_while_timed', {})}.", ""]
+                    + ". Compiled during the timed rounds: " + ", ".join(
+                        f"{v} {k}" for k, v in p.get("compiled_while_timed", {}).items()) + ".", ""]
+        if med.get("fused"):
+            out += [f"Fused runs a step {med['strict'] / med['fused']:.2f}x as fast as Strict and "
+                    f"{med['debug'] / med['fused']:.2f}x as fast as Debug.", ""]
         if "fused" in p:
             f = p["fused"]
             out += [f"Fused: {f['ops_per_step']:.0f} ops per step, {f['syncs_per_step']:.1f} syncs per step, graph key "
@@ -359,7 +363,8 @@ def render() -> None:
 
 
 EARLIER = """\
-- **Collectives, full sweep to 64 MiB, quiet machine (2026-11-29)**: at >= 1 MiB reduce_scatter took
+- **Collectives, full sweep to 64 MiB, quiet machine, 2026-11-29** (plot:
+  [docs/collectives_ratio.png](../docs/collectives_ratio.png)): at >= 1 MiB reduce_scatter took
   0.29-0.88x gloo's time, all_gather 0.42-0.94x (1.58x at 1 MiB on 4 ranks), all_reduce 0.76-1.35x,
   all_to_all 1.30-2.44x, broadcast 1.48-3.65x. At 4 B all_reduce was 2.3-4.2x gloo. Between, where a
   collective fits the envelope, reductions beat gloo (0.39-0.66x at 4-64 KiB).
