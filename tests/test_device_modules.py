@@ -146,20 +146,25 @@ def _spread(items, k):
     return [items[round(i * (len(items) - 1) / (k - 1))] for i in range(k)]
 
 
-def _to_device(x, device):
+def _to_device(x, device, memo=None):
     """Tensors in ``x`` (nested tuples, lists, dicts, PackedSequence) on ``device``: new leaves that keep
-    ``requires_grad``, so the device run has gradients of its own to compare."""
+    ``requires_grad``, so the device run has gradients of its own to compare. A tensor passed twice (KLDivLoss's
+    scalar input is its own target) stays one tensor, so its gradients add up as on the CPU."""
     import torch
     from torch.nn.utils.rnn import PackedSequence
 
+    memo = {} if memo is None else memo
     if isinstance(x, torch.Tensor):
-        return x.detach().to(device).requires_grad_(x.requires_grad)
+        if id(x) not in memo:
+            memo[id(x)] = x.detach().to(device).requires_grad_(x.requires_grad)
+        return memo[id(x)]
     if isinstance(x, PackedSequence):
-        return PackedSequence(_to_device(x.data, device), x.batch_sizes, x.sorted_indices, x.unsorted_indices)
+        return PackedSequence(_to_device(x.data, device, memo), x.batch_sizes, x.sorted_indices,
+                              x.unsorted_indices)
     if isinstance(x, (tuple, list)):
-        return type(x)(_to_device(i, device) for i in x)
+        return type(x)(_to_device(i, device, memo) for i in x)
     if isinstance(x, dict):
-        return {k: _to_device(v, device) for k, v in x.items()}
+        return {k: _to_device(v, device, memo) for k, v in x.items()}
     return x
 
 
@@ -271,31 +276,42 @@ def _named(tensors: dict):
     return [*tensors, *(_to_cpu(t) for t in tensors.values())]
 
 
+class _ReferenceError(Exception):
+    """CPU torch itself rejects the input: nothing to compare (not counted against the device)."""
+
+
 def _run_input(name, info, module_input, training, fused) -> list[str]:
     """Compares one ModuleInput on the device with CPU torch; the differences found."""
+    import copy
+
     import torch
 
     problems = _Problems()
     ctor, fwd = module_input.constructor_input, module_input.forward_input
     random = name in RANDOM and training
-    torch.manual_seed(0)
-    cpu_module = info.module_cls(*ctor.args, **ctor.kwargs).to(torch.float32)
     cpu_args, cpu_kwargs = fwd.args, fwd.kwargs
-    if info.is_lazy:  # lazy parameters take their shapes from a first input
-        with torch.no_grad():
-            cpu_module(*cpu_args, **cpu_kwargs)
-    cpu_module.train(training)
-    dev_module = _check_move(cpu_module, problems)
-    dev_args, dev_kwargs = _to_device((cpu_args, cpu_kwargs), "tpu")
-    for t in _tensors((cpu_args, cpu_kwargs)):  # inputs made by a view (Transformer's transposed src): as leaves
-        if t.requires_grad and not t.is_leaf:
-            t.retain_grad()
-
-    with torch.tpu.eager_mode("fused" if fused else "strict"):
+    try:
+        torch.manual_seed(0)
+        cpu_module = info.module_cls(*ctor.args, **ctor.kwargs).to(torch.float32)
+        if info.is_lazy:  # lazy parameters take their shapes from a first input
+            with torch.no_grad():
+                cpu_module(*cpu_args, **cpu_kwargs)
+        cpu_module.train(training)
+        pristine = copy.deepcopy(cpu_module)  # the train-mode forward changes buffers, backward sets grads
+        for t in _tensors((cpu_args, cpu_kwargs)):  # inputs made by a view (Transformer's transposed src)
+            if t.requires_grad and not t.is_leaf:
+                t.retain_grad()
         expected = cpu_module(*cpu_args, **cpu_kwargs)
+        has_grad = not random and _backward(expected, "cpu")
+    except Exception as err:  # noqa: BLE001
+        raise _ReferenceError(f"{type(err).__name__}: {str(err)[:200]}") from err
+
+    dev_module = _check_move(pristine, problems)
+    dev_args, dev_kwargs = _to_device((cpu_args, cpu_kwargs), "tpu")
+    with torch.tpu.eager_mode("fused" if fused else "strict"):
         actual = dev_module(*dev_args, **dev_kwargs)
         problems.check("forward", expected, _to_cpu(actual), values=not random)
-        if not random and _backward(expected, "cpu"):
+        if has_grad:
             _backward(actual, "tpu")
             _compare_grads(problems, _grads(cpu_module, (cpu_args, cpu_kwargs)),
                            _grads(dev_module, (dev_args, dev_kwargs)))
@@ -362,19 +378,10 @@ def run_module_on_device(name: str) -> dict:
 
 
 def _outcome(name, info, module_input, training, fused):
-    import torch
-
-    ctor, fwd = module_input.constructor_input, module_input.forward_input
-    try:  # torch itself rejects the input: nothing to compare (not counted against the device)
-        torch.manual_seed(0)
-        reference = info.module_cls(*ctor.args, **ctor.kwargs)
-        if info.is_lazy:
-            with torch.no_grad():
-                reference(*_to_device(fwd.args, "cpu"), **_to_device(fwd.kwargs, "cpu"))
-    except Exception as err:  # noqa: BLE001
-        return "reference_error", f"{type(err).__name__}: {str(err)[:200]}"
     try:
         problems = _run_input(name, info, module_input, training, fused)
+    except _ReferenceError as err:
+        return "reference_error", str(err)
     except Exception as err:  # noqa: BLE001 - classified, reported with its message
         op = _unsupported_op(err)
         if op is not None:
