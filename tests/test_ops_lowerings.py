@@ -518,3 +518,114 @@ def test_llama_training_step_matches_cpu(dtype):
     # Adam's first step moves each parameter by ~lr * g / (|g| + eps): a gradient within 1e-5 of torch's
     # but near eps moves it differently; 1e-4 is 1% of lr
     assert compare(expected[2], actual[2], **(tol if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4))) is None
+
+
+# -- recurrent cells, complex numbers, runtime assertions ------------------------------------------------
+# torch has no CPU kernel for the fused cells (CUDA only): the references are CPU torch's own lstm_cell /
+# gru_cell (forward) and its differentiable composite backwards, which take the same gates.
+
+def _cell_inputs(factor, batch=3, hidden=5, inputs=4, bias=True):
+    x, h, c = _t(batch, inputs), _t(batch, hidden, low=-1, high=1), _t(batch, hidden, low=-1, high=1)
+    w_ih, w_hh = _t(factor * hidden, inputs, low=-0.5, high=0.5), _t(factor * hidden, hidden, low=-0.5, high=0.5)
+    b_ih, b_hh = (_t(factor * hidden), _t(factor * hidden)) if bias else (None, None)
+    return x, h, c, w_ih, w_hh, b_ih, b_hh
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_lstm_cell_and_backward_match_cpu(bias):
+    x, h, c, w_ih, w_hh, b_ih, b_hh = _cell_inputs(4, bias=bias)
+    gates_i, gates_h = x @ w_ih.T, h @ w_hh.T
+    hy, cy, workspace = run_on_jax(aten._thnn_fused_lstm_cell.default, gates_i, gates_h, c, b_ih, b_hh, jit=False)
+    assert compare(list(torch.lstm_cell(x, (h, c), w_ih, w_hh, b_ih, b_hh)), [hy, cy], atol=1e-6) is None
+    grad_hy, grad_cy = _t(3, 5), _t(3, 5)
+    for ghy, gcy in ((grad_hy, grad_cy), (grad_hy, None), (None, grad_cy)):
+        expected = aten._thnn_differentiable_lstm_cell_backward(ghy, gcy, gates_i, gates_h, b_ih, b_hh, c, cy)
+        got = run_on_jax(aten._thnn_fused_lstm_cell_backward_impl.default, ghy, gcy, c, cy, workspace, bias,
+                         jit=False)
+        assert compare([expected[0], expected[2], expected[3]], list(got), atol=1e-5) is None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_gru_cell_and_backward_match_cpu(bias):
+    x, h, _, w_ih, w_hh, b_ih, b_hh = _cell_inputs(3, bias=bias)
+    gates_i, gates_h = x @ w_ih.T, h @ w_hh.T
+    hy, workspace = run_on_jax(aten._thnn_fused_gru_cell.default, gates_i, gates_h, h, b_ih, b_hh, jit=False)
+    assert compare(torch.gru_cell(x, h, w_ih, w_hh, b_ih, b_hh), hy, atol=1e-6) is None
+    grad_hy = _t(3, 5)
+    expected = aten._thnn_differentiable_gru_cell_backward(grad_hy, gates_i, gates_h, h, b_ih, b_hh)
+    got = run_on_jax(aten._thnn_fused_gru_cell_backward.default, grad_hy, workspace, bias, jit=False)
+    assert compare(list(expected), list(got), atol=1e-5) is None
+
+
+def test_fused_cells_bf16_round_once_from_float32():
+    x, h, c, w_ih, w_hh, b_ih, b_hh = _cell_inputs(4)
+    gates_i, gates_h = (x @ w_ih.T).bfloat16(), (h @ w_hh.T).bfloat16()
+    hy, cy, _ = run_on_jax(aten._thnn_fused_lstm_cell.default, gates_i, gates_h, c.bfloat16(), b_ih.bfloat16(),
+                           b_hh.bfloat16(), jit=False)
+    gates = gates_i.float() + gates_h.float() + b_ih.bfloat16().float() + b_hh.bfloat16().float()
+    i, f, g_, o = gates.chunk(4, 1)
+    want_c = i.sigmoid() * g_.tanh() + f.sigmoid() * c.bfloat16().float()
+    assert compare([(o.sigmoid() * want_c.tanh()).bfloat16(), want_c.bfloat16()], [hy, cy], atol=0) is None
+
+
+def test_fused_cell_meta_checks_sizes_without_biases():
+    m = torch.empty((2, 8), device="meta")
+    hy, cy, ws = aten._thnn_fused_lstm_cell.default(m, m, torch.empty((2, 2), device="meta"))
+    assert (tuple(hy.shape), tuple(ws.shape)) == ((2, 2), (2, 8))
+    with pytest.raises(RuntimeError, match="fused RNN cell"):
+        aten._thnn_fused_lstm_cell.default(m, m, torch.empty((2, 3), device="meta"))
+    hy, ws = aten._thnn_fused_gru_cell.default(torch.empty((2, 9), device="meta"), torch.empty((2, 9), device="meta"),
+                                               torch.empty((2, 3), device="meta"))
+    assert (tuple(hy.shape), tuple(ws.shape)) == ((2, 3), (2, 15))
+
+
+def test_polar_and_complex_match_cpu():
+    mag, angle = P, F
+    for op, args in ((aten.polar.default, (mag, angle)), (aten.complex.default, (F, P)),
+                     (aten.complex.default, (F.double(), P.double())), (aten.polar.default, (mag[0], angle))):
+        assert compare(op(*args), run_on_jax(op, *args), atol=1e-6) is None
+
+
+def test_rope_with_complex_numbers_matches_cpu():
+    """torchtitan's Llama 3 rotary embedding: polar, view_as_complex, complex mul, view_as_real; forward
+    and backward."""
+    def rope(xq, freqs):
+        freqs_cis = torch.polar(torch.ones_like(freqs), freqs)
+        xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+        out = torch.view_as_real(xq_ * freqs_cis.view(1, xq.shape[1], 1, -1)).flatten(3)
+        return out.type_as(xq)
+
+    xq = _t(2, 5, 3, 8).requires_grad_()
+    freqs = torch.outer(torch.arange(5.0), 1.0 / (500000 ** (torch.arange(0, 8, 2).float() / 8)))
+    grad = _t(2, 5, 3, 8)
+
+    def fwd_bwd(x, f, g):
+        out = rope(x, f)
+        return out, torch.autograd.grad(out, x, g)[0]
+
+    assert compare(fwd_bwd(xq, freqs, grad), run_on_jax(fwd_bwd, xq, freqs, grad), atol=1e-5) is None
+
+
+@pytest.mark.parametrize("op,failing,passing,message", [
+    (aten._assert_async.default, (torch.tensor(0.0),), (torch.tensor(2.0),),
+     "Expected Tensor with single nonzero value, but got zero"),
+    (aten._assert_async.msg, (torch.tensor(False), "my check"), (torch.tensor(True), "my check"), "my check"),
+    (aten._assert_scalar.default, (0, "scalar check"), (1, "scalar check"), "scalar check"),
+    (aten._functional_assert_async.msg, (torch.tensor(False), "dep check", torch.empty(0)),
+     (torch.tensor(True), "dep check", torch.empty(0)), "dep check"),
+    (aten._functional_assert_scalar.default, (False, "dep scalar", torch.empty(0)),
+     (True, "dep scalar", torch.empty(0)), "dep scalar"),
+], ids=["assert_async", "assert_async.msg", "assert_scalar", "functional_assert_async", "functional_assert_scalar"])
+def test_assertions_raise_as_torch_does_concrete_and_traced(op, failing, passing, message):
+    with pytest.raises(RuntimeError, match=message):
+        op(*failing)
+    with pytest.raises(RuntimeError, match=message):  # eager: at the op
+        run_on_jax(op, *failing, jit=False)
+    with pytest.raises(RuntimeError, match=message):  # inside a program: when it runs
+        run_on_jax(op, *failing)
+    assert compare(op(*passing), run_on_jax(op, *passing)) is None
+
+
+def test_assert_async_rejects_several_elements():
+    with pytest.raises(RuntimeError, match="more than one value"):
+        run_on_jax(aten._assert_async.default, torch.ones(2))
