@@ -37,6 +37,7 @@ EXPECTED_FRAGMENTS = 4  # change deliberately when a guide gains or loses a frag
 TIMEOUT_S = 300.0
 
 _FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.M | re.S)
+_FENCED = re.compile(r"^```.*?^```", re.M | re.S)  # any fenced block (links inside are code)
 _RUN = re.compile(r"#\s*run:\s*(torchrun\s+(\d+)(?:\s+session=(\S+))?|pytest|python)\s*$")
 
 # Runs a file's shared blocks in this process, one after the other, each in a fresh namespace.
@@ -192,3 +193,28 @@ if __name__ == "__main__":  # list how each block runs
     for item in OWN:
         print(item[0], item[1], item[2])
     print("fragments:", FRAGMENTS)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_relative_links_resolve():
+    """Every relative link of README.md and docs/*.md names a file that exists (and a heading in it)."""
+    broken = []
+    for path in DOCS:
+        text = _FENCED.sub("", path.read_text(encoding="utf-8"))
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            resolved = (path.parent / file).resolve() if file else path
+            if not resolved.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and resolved.suffix == ".md":
+                headings = re.findall(r"^#+ (.*)$", _FENCED.sub("", resolved.read_text(encoding="utf-8")), re.M)
+                if anchor not in {_anchor(h) for h in headings}:
+                    broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
