@@ -187,12 +187,12 @@ class _HelionRunner:
 
     def run(self, args: list, is_tensor: list[bool]):
         """``args`` in Helion's order: arrays (or None) where ``is_tensor``, Python scalars elsewhere."""
-        from helion.runtime.pallas.jax_export import _JaxExportTensor
+        from helion.runtime.pallas.jax_export import _device_for_jax_export, _JaxExportTensor
 
         # Helion's jax_fn wraps bare arrays with its guess of the device ("tpu" once tpudist.device is
         # installed, whose scalar constants it would then build on the device and copy to the host);
-        # the kernel compiles for the CPU in interpret mode, so say so.
-        device = torch.device("tpu", 0) if self.on_tpu else torch.device("cpu")
+        # off TPU the kernel compiles for the CPU in interpret mode, so say so.
+        device = _device_for_jax_export() if self.on_tpu else torch.device("cpu")
         # Helion drives its torch-flavoured host wrapper on meta tensors; a caller's dispatch mode (the
         # compile backend lowers under FakeTensorMode) must not turn them into fakes.
         with _disable_current_modes():
