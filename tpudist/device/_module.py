@@ -49,7 +49,9 @@ def set_device(device) -> None:
 
 
 def get_device_name(device=None) -> str:
-    return str(rt.device())
+    """The chip's product name, as ``torch.cuda.get_device_name``: JAX's ``device_kind`` ("TPU v5p"; "cpu"
+    when emulating on the CPU backend)."""
+    return rt.device().device_kind
 
 
 def synchronize(device=None) -> None:
@@ -103,28 +105,207 @@ def set_rng_state_all(states) -> None:
     set_rng_state(states[0])
 
 
-def memory_allocated(device=None) -> int:
-    """Bytes of live JAX buffers on this process's device (every tpu storage is one)."""
+# -- memory ------------------------------------------------------------------------------------------
+# Where JAX reports the device's allocator (TPU: ``Device.memory_stats()``), its numbers are used; XLA:CPU
+# reports nothing, so the emulated chip counts the bytes of the live jax.Arrays on its device (every tpu
+# storage is one; JAX frees a buffer when its last array dies, so nothing is cached: reserved == allocated).
+# Peaks are the highest value sampled by these functions since the last reset (JAX's own peak cannot be
+# reset), so a peak between two calls is seen only on a backend that reports its allocator.
+
+
+def _allocator_stats() -> dict:
+    """JAX's allocator statistics of this process's device ({} where the backend reports none: CPU)."""
+    return rt.device().memory_stats() or {}
+
+
+def _live_bytes() -> int:
     import jax
 
     dev = rt.device()
-    total = sum(a.nbytes for a in jax.live_arrays() if dev in a.devices())
-    rt.peak_bytes = max(rt.peak_bytes, total)
-    return total
+    return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted() and dev in a.devices())
+
+
+def _sample() -> tuple[int, int]:
+    """(allocated, reserved) bytes now; updates the peaks."""
+    stats = _allocator_stats()
+    allocated = stats.get("bytes_in_use", None)
+    if allocated is None:
+        allocated = _live_bytes()
+    reserved = stats.get("bytes_reserved", stats.get("pool_bytes", allocated)) or allocated
+    rt.peak_bytes = max(rt.peak_bytes, allocated)
+    rt.peak_reserved_bytes = max(rt.peak_reserved_bytes, reserved)
+    return allocated, reserved
+
+
+def _host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host RAM (Linux /proc/meminfo), where the CPU backend's arrays live."""
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return available, total
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    """(free, total) bytes of device memory, as ``torch.cuda.mem_get_info``.
+
+    TPU: JAX's ``bytes_limit`` minus ``bytes_in_use``. CPU emulation: the host's available and total
+    RAM (MemAvailable), which the emulated chips share.
+    """
+    stats = _allocator_stats()
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), stats["bytes_limit"]
+    return _host_memory()
+
+
+def memory_allocated(device=None) -> int:
+    """Bytes in use on this process's device: JAX's ``bytes_in_use`` on TPU, else the bytes of the live
+    jax.Arrays on the device (CPU emulation)."""
+    return _sample()[0]
 
 
 def max_memory_allocated(device=None) -> int:
-    memory_allocated()
+    """The highest ``memory_allocated()`` sampled since the start or the last ``reset_peak_memory_stats``."""
+    _sample()
     return rt.peak_bytes
 
 
+def memory_reserved(device=None) -> int:
+    """Bytes the allocator holds: JAX's ``bytes_reserved`` (or ``pool_bytes``) where reported, else equal to
+    ``memory_allocated()`` (XLA:CPU keeps no cache of freed buffers)."""
+    return _sample()[1]
+
+
+def max_memory_reserved(device=None) -> int:
+    """The highest ``memory_reserved()`` sampled since the start or the last ``reset_peak_memory_stats``."""
+    _sample()
+    return rt.peak_reserved_bytes
+
+
 def reset_peak_memory_stats(device=None) -> None:
-    rt.peak_bytes = 0
-    memory_allocated()
+    """Restart the peaks of ``max_memory_allocated``/``max_memory_reserved`` (and memory_stats' peaks) now."""
+    rt.peak_bytes = rt.peak_reserved_bytes = 0
+    _sample()
+
+
+reset_max_memory_allocated = reset_peak_memory_stats
+
+
+def memory_stats(device=None) -> dict:
+    """``torch.cuda.memory_stats``'s keys that training tools read (torchtitan, accelerate, HF Trainer).
+
+    - ``allocated_bytes.all.{current,peak}`` and ``active_bytes.all.{current,peak}``: ``memory_allocated()``
+      and its peak (no block is allocated but inactive: the two are equal);
+    - ``reserved_bytes.all.{current,peak}``: ``memory_reserved()`` and its peak;
+    - ``num_alloc_retries``: 0, always: there is no caching allocator that frees its cache and retries;
+    - ``num_ooms``: 0, always: an allocation that fails raises XLA's RESOURCE_EXHAUSTED at the op and is
+      not counted;
+    - ``num_device_alloc``: JAX's ``num_allocs`` where reported (TPU); absent on CPU emulation.
+
+    Example:
+        >>> torch.tpu.memory_stats()["active_bytes.all.peak"] >= torch.tpu.memory_allocated()
+        True
+    """
+    allocated, reserved = _sample()
+    stats = {
+        "allocated_bytes.all.current": allocated, "allocated_bytes.all.peak": rt.peak_bytes,
+        "active_bytes.all.current": allocated, "active_bytes.all.peak": rt.peak_bytes,
+        "reserved_bytes.all.current": reserved, "reserved_bytes.all.peak": rt.peak_reserved_bytes,
+        "num_alloc_retries": 0, "num_ooms": 0,
+    }
+    allocator = _allocator_stats()
+    if "num_allocs" in allocator:
+        stats["num_device_alloc"] = allocator["num_allocs"]
+    return stats
 
 
 def empty_cache() -> None:
+    """Nothing to release: JAX frees a device buffer as soon as its last array dies (no torch-style cache)."""
     return None
+
+
+# -- properties ----------------------------------------------------------------------------------------
+
+
+class DeviceProperties:
+    """What ``torch.tpu.get_device_properties`` returns; the fields torch.cuda's object has that tools read.
+
+    - ``name``: JAX's ``device_kind`` ("TPU v5p", "TPU v5 lite", or "cpu" when emulating on CPU);
+    - ``total_memory``: bytes of device memory: JAX's ``bytes_limit`` (TPU), or the host's RAM (CPU
+      emulation: the emulated chips' arrays live there);
+    - ``multi_processor_count``: TensorCores behind this device (JAX's ``num_cores``, 1 where it does not
+      say); on CPU emulation the CPU threads this process may run on;
+    - ``major``, ``minor``: the TPU generation ("TPU v5p" -> (5, 0)); (0, 0) on CPU emulation;
+    - ``platform``: "tpu" or "cpu" (JAX's platform), ``is_emulated``: True on the CPU backend.
+    """
+
+    __slots__ = ("name", "total_memory", "multi_processor_count", "major", "minor", "platform", "is_emulated")
+
+    def __init__(self, name, total_memory, multi_processor_count, major, minor, platform):
+        self.name, self.total_memory = name, int(total_memory)
+        self.multi_processor_count, self.major, self.minor = int(multi_processor_count), major, minor
+        self.platform, self.is_emulated = platform, platform != "tpu"
+
+    def __repr__(self):
+        return (f"_TpuDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+                f"total_memory={self.total_memory // (1024 * 1024)}MB, "
+                f"multi_processor_count={self.multi_processor_count}, platform='{self.platform}')")
+
+
+def _generation(kind: str) -> tuple[int, int]:
+    import re
+
+    found = re.search(r"v(\d+)", kind)
+    return (int(found.group(1)), 0) if found else (0, 0)
+
+
+def get_device_properties(device=None) -> DeviceProperties:
+    """The properties of this process's device (see ``DeviceProperties`` for each field's source).
+
+    Example:
+        >>> props = torch.tpu.get_device_properties()
+        >>> props.total_memory > 0
+        True
+    """
+    import os
+
+    _check_index(device)
+    dev = rt.device()
+    stats = _allocator_stats()
+    if dev.platform == "tpu":
+        total, cores = stats.get("bytes_limit", 0), getattr(dev, "num_cores", 1)
+    else:
+        total, cores = _host_memory()[1], len(os.sched_getaffinity(0))
+    return DeviceProperties(dev.device_kind, total, cores, *_generation(dev.device_kind), dev.platform)
+
+
+def get_device_capability(device=None) -> tuple[int, int]:
+    """(major, minor) of ``get_device_properties``: the TPU generation, (0, 0) on CPU emulation."""
+    props = get_device_properties(device)
+    return props.major, props.minor
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """XLA computes bfloat16 on every backend (natively on TPU)."""
+    return True
+
+
+def _check_index(device) -> None:
+    if device is None:
+        return
+    index = device if isinstance(device, int) else torch.device(device).index
+    if index not in (None, 0):
+        raise ValueError(f"device index {index} does not exist: each process drives one chip (tpu:0)")
 
 
 def set_eager_mode(mode: str) -> None:
@@ -219,24 +400,47 @@ class Stream:
 
 
 class Event:
-    def __init__(self, enable_timing: bool = False, **kwargs):
+    """A point in the device's work, as ``torch.cuda.Event``.
+
+    JAX exposes no device timestamps, so a timing event (``enable_timing=True``) waits, when recorded,
+    for the work dispatched so far (pending fused work runs first) and then reads the host clock:
+    ``elapsed_time`` is the milliseconds between the completion points of the two recordings. Recording
+    a timing event is therefore a sync point. An event without timing records without waiting.
+    """
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing = enable_timing
         self._time = None
+        self._recorded = False
 
     def record(self, stream=None) -> None:
         import time
 
-        self._time = time.perf_counter()
+        if self.enable_timing:
+            synchronize()
+            self._time = time.perf_counter()
+        self._recorded = True
 
     def synchronize(self) -> None:
-        synchronize()
+        if self._recorded:
+            synchronize()
 
     def wait(self, stream=None) -> None:
-        return None
+        return None  # one in-order stream: later work already follows the recorded work
 
     def query(self) -> bool:
-        return True
+        """True when the work recorded so far has completed (always, for a recorded timing event)."""
+        import jax
+
+        if not self._recorded or self._time is not None:
+            return True
+        return all(a.is_ready() for a in jax.live_arrays())
 
     def elapsed_time(self, end) -> float:
+        if not (self.enable_timing and end.enable_timing):
+            raise RuntimeError("elapsed_time needs two events created with enable_timing=True")
+        if self._time is None or end._time is None:  # noqa: SLF001
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
         return (end._time - self._time) * 1000.0  # noqa: SLF001
 
 

@@ -23,6 +23,7 @@ _nan_check = os.environ.get("TPUDIST_DEBUG_NANS", "") == "1"
 _cpu_fallback = os.environ.get("TPUDIST_CPU_FALLBACK", "") == "1"
 seed = 0
 peak_bytes = 0  # the highest memory_allocated() seen (torch.tpu.max_memory_allocated)
+peak_reserved_bytes = 0  # the highest memory_reserved() seen (torch.tpu.max_memory_reserved)
 counter = 0  # random ops drawn since the last seed: each op's key is fold_in(key(seed), counter)
 stats = Counter()
 fallback_ops = Counter()
