@@ -313,3 +313,40 @@ def test_dtensors_shard_by_shard_and_over_the_mesh():
         assert len(placements["add"]) == 1, placements  # a plain kernel: one program over the mesh
         for a, b in zip(grads, want_grads):
             torch.testing.assert_close(a, b, atol=TOL, rtol=TOL)
+
+
+# -- the README flow in a fresh process: tpudist.device first, Helion imported after ---------------
+_README_FLOW = """
+import sys, torch, torch.nn.functional as F
+import tpudist.device
+assert "helion" not in sys.modules and "tpudist.kernels.helion" not in sys.modules  # no Helion import cost
+import helion, helion.language as hl
+from helion.runtime.pallas import launcher
+launcher._torch_to_jax = None  # any host conversion now fails
+
+@helion.kernel(backend="pallas", config=helion.Config(block_sizes=[2]))
+def row_softmax(x: torch.Tensor) -> torch.Tensor:
+    n, _m = x.size()
+    out = torch.empty_like(x)
+    for tile_n in hl.tile(n):
+        out[tile_n, :] = F.softmax(x[tile_n, :], dim=1)
+    return out
+
+x = torch.randn(3, 10)
+with torch.tpu.eager_mode("fused"):
+    got = row_softmax(x.to("tpu")).cpu()
+print(float((got - torch.softmax(x, -1)).abs().max()))
+"""
+
+
+def test_helion_imported_after_the_device_is_routed(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "flow.py"  # a file: Helion reads the kernel's source
+    script.write_text(_README_FLOW)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert float(result.stdout.strip().splitlines()[-1]) <= TOL
