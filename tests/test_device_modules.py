@@ -49,12 +49,13 @@ SUBSET = (
     "nn.MultiheadAttention", "nn.TransformerEncoderLayer", "nn.TransformerDecoderLayer", "nn.Transformer",
     "nn.ReLU", "nn.GELU", "nn.SiLU", "nn.Tanh", "nn.Softmax", "nn.LogSoftmax", "nn.Dropout", "nn.MaxPool2d",
     "nn.AvgPool2d", "nn.AdaptiveAvgPool2d", "nn.CrossEntropyLoss", "nn.MSELoss", "nn.NLLLoss",
-    "nn.BCEWithLogitsLoss", "nn.L1Loss", "nn.SmoothL1Loss", "nn.Flatten", "nn.Unflatten",
+    "nn.BCEWithLogitsLoss", "nn.L1Loss", "nn.SmoothL1Loss", "nn.Flatten", "nn.Unflatten", "TiedEmbeddingLinear",
 )
 
-# Modules module_db lacks that models use (their inputs are defined below, in the worker's part).
+# Modules module_db lacks that models use (their inputs are defined below, in the worker's part);
+# TiedEmbeddingLinear is an embedding whose weight the output projection shares (GPT-2's weight tying).
 EXTRA_MODULES = ("nn.Dropout", "nn.Dropout2d", "nn.RReLU", "nn.EmbeddingBag", "nn.Flatten", "nn.Unflatten",
-                 "nn.Identity")
+                 "nn.Identity", "TiedEmbeddingLinear")
 
 
 
@@ -117,6 +118,8 @@ def _extra_infos():
     from torch.testing import make_tensor
     from torch.testing._internal.common_modules import FunctionInput, ModuleInfo, ModuleInput
 
+    _TiedEmbeddingLinear = _tied_embedding_linear_class()
+
     def inputs(cases):
         def fn(module_info, device, dtype, requires_grad, training, **kwargs):
             make = partial(make_tensor, device=device, dtype=dtype, requires_grad=requires_grad)
@@ -142,11 +145,30 @@ def _extra_infos():
         "nn.Unflatten": [("", (1, (2, 3)), {}, lambda m: (m((4, 6, 5)),)),
                          ("last", (-1, (2, -1)), {}, lambda m: (m((3, 8)),))],
         "nn.Identity": [("", (), {}, lambda m: (m((3, 4)),))],
+        "TiedEmbeddingLinear": [("", (10, 4), {}, lambda m: (torch.tensor([[1, 2, 9], [0, 4, 4]]),))],
     }
     differ = {"nn.Dropout", "nn.Dropout2d", "nn.RReLU"}
-    return {name: ModuleInfo(getattr(torch.nn, name[3:]), module_inputs_func=inputs(c),
-                             train_and_eval_differ=name in differ)
+    return {name: ModuleInfo(_TiedEmbeddingLinear if name == "TiedEmbeddingLinear" else getattr(torch.nn, name[3:]),
+                             module_inputs_func=inputs(c), train_and_eval_differ=name in differ)
             for name, c in cases.items()}
+
+
+def _tied_embedding_linear_class():
+    import torch
+
+    class TiedEmbeddingLinear(torch.nn.Module):
+        """A language model's ends: the output projection shares the embedding's weight (GPT-2, T5)."""
+
+        def __init__(self, vocab, dim):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, dim)
+            self.out = torch.nn.Linear(dim, vocab, bias=False)
+            self.out.weight = self.embed.weight
+
+        def forward(self, tokens):
+            return self.out(torch.tanh(self.embed(tokens)))
+
+    return TiedEmbeddingLinear
 
 
 def _find(name):
@@ -237,7 +259,10 @@ def _check_move(cpu_module, problems):
         problems.append(f".to: named_parameters() count {n_dev}, torch gives {n_cpu}")
     expected = dict(cpu_module.named_parameters()) | dict(cpu_module.named_buffers())
     for key, t in [*moved.named_parameters(), *moved.named_buffers()]:
-        if t.device.type != "tpu" or t.dtype != expected[key].dtype:
+        if key not in expected:
+            problems.append(f".to: {key} is listed, the CPU module lists no such parameter or buffer (a shared "
+                            "parameter split in two?)")
+        elif t.device.type != "tpu" or t.dtype != expected[key].dtype:
             problems.append(f".to: {key} is {t.device}/{t.dtype}, expected tpu/{expected[key].dtype}")
     cpu_state = cpu_module.state_dict()
     if list(moved.state_dict()) != list(cpu_state):
