@@ -91,8 +91,8 @@ def main(argv=None) -> None:
     print(f"Helion add of {args.n} float32, {args.rounds} rounds x {args.iters} calls ({args.launcher_iters} "
           f"through Helion's launcher), us per call (best round; median); ratios to {ref!r} and {jax_ref!r}:")
     for name in modes:
-        print(f"  {name:24s} best {best[name]:10.1f} us {best[name] / best[ref]:8.4f}x {best[name] / best[jax_ref]:8.1f}x"
-              f"   median {med[name]:10.1f} us {med[name] / med[ref]:8.4f}x {med[name] / med[jax_ref]:8.1f}x")
+        print(f"  {name:24s} best {best[name]:10.1f} us {best[name] / best[ref]:8.4f}x "
+              f"{best[name] / best[jax_ref]:8.1f}x   median {med[name]:10.1f} us {med[name] / med[ref]:8.4f}x {med[name] / med[jax_ref]:8.1f}x")
 
 
 if __name__ == "__main__":

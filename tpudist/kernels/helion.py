@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
-import os
 import re
 import sys
 import threading
@@ -136,6 +135,10 @@ class HelionKernel(JaxKernel):
         if len(args) > len(self.params):
             raise TypeError(f"kernel {self.name}: {len(args)} arguments for {len(self.params)} parameters "
                             f"({', '.join(p.name for p in self.params)})")
+        unknown = set(kwargs) - {p.name for p in self.params}
+        if unknown:
+            raise TypeError(f"kernel {self.name}: unexpected keyword arguments {sorted(unknown)}; its parameters "
+                            f"are {', '.join(p.name for p in self.params)}")
         tensors, statics = [], {}
         for i, p in enumerate(self.params):
             value = args[i] if i < len(args) else kwargs.get(p.name, p.default)
