@@ -5,6 +5,10 @@ namespace, gets our kernel directly: structured ops do not detour through ``.out
 ``torch.library.custom_op`` runs its lowering, not its Python body. Lowerings registered after the
 install (``tpudist.kernels``) are registered as they arrive; anything else reaches the same kernel
 through the PrivateUse1 fallback.
+
+Two registrations make module semantics match CUDA's: ``native_batch_norm`` runs as its correctly
+declared twins (its schema hides the running-statistics update), and ``_has_compatible_shallow_copy_type``
+counts tpu tensors as dense, so ``module.to("tpu")`` moves parameters in place (tied weights stay tied).
 """
 
 from __future__ import annotations
@@ -142,6 +146,41 @@ def record_stream(x, stream):
     return None
 
 
+def native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """``native_batch_norm`` as its correctly declared twins (torch's own rule for functionalization,
+    ``native_batch_norm_decomposition`` in torch/_decomp/decompositions.py, torch 2.13).
+
+    Its schema (``Tensor? running_mean``, no ``(a!)``) hides that training updates the running
+    statistics in place, so a kernel that trusts schemas drops the update. ``_native_batch_norm_legit``
+    declares them written (``Tensor(a!) running_mean``), and the generic mutating path writes them back.
+    """
+    if running_mean is None and running_var is None:
+        return aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
+    if running_mean is None or running_var is None:
+        raise RuntimeError(f"native_batch_norm: running_mean and running_var must both be tensors or both "
+                           f"None, got running_mean={_kind(running_mean)}, running_var={_kind(running_var)}; "
+                           "pass both (track_running_stats=True) or neither")
+    if training:
+        return aten._native_batch_norm_legit.default(input, weight, bias, running_mean, running_var, training,
+                                                     momentum, eps)
+    return aten._native_batch_norm_legit_no_training.default(input, weight, bias, running_mean, running_var,
+                                                             momentum, eps)
+
+
+def native_batch_norm_out(input, weight, bias, running_mean, running_var, training, momentum, eps, *, out,
+                          save_mean, save_invstd):
+    results = native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    for dst, src in zip((out, save_mean, save_invstd), results):
+        if tuple(dst.shape) != tuple(src.shape):
+            resize_(dst, src.shape)
+        copy_(dst, src)
+    return out, save_mean, save_invstd
+
+
+def _kind(x):
+    return "None" if x is None else f"Tensor{tuple(x.shape)}"
+
+
 def _inplace_view(view_op):
     """An in-place view op (``transpose_``, ``squeeze_``, ``as_strided_`` ...) as ``set_data`` with the
     geometry of its out-of-place twin: torch's C++ kernels restride through ``setStorage``, which checks
@@ -162,6 +201,8 @@ _SPECIAL = {
     aten.resize_.default: resize_,
     aten.set_.source_Tensor: set_source_tensor,
     aten.record_stream.default: record_stream,
+    aten.native_batch_norm.default: native_batch_norm,
+    aten.native_batch_norm.out: native_batch_norm_out,
     **{inplace: _inplace_view(view) for inplace, view in (
         (aten.as_strided_.default, aten.as_strided.default), (aten.transpose_.default, aten.transpose.int),
         (aten.t_.default, aten.t.default), (aten.squeeze_.default, aten.squeeze.default),
@@ -224,10 +265,43 @@ def register_lowered(op) -> None:
             _impl(twin, functools.partial(execute_kernel, twin))
 
 
+# -- module conversion: tpu tensors are dense tensors, as CUDA's are --------------------------------
+
+_CPU_DENSE = torch.empty(0)
+
+
+def has_compatible_shallow_copy_type(self, from_):
+    """torch's rule for ``param.data = new`` (``set_data``) and ``Module._apply``'s in-place moves.
+
+    C++ (c10/core/TensorImpl.h, ``has_compatible_shallow_copy_type``, torch 2.13) allows it between
+    dense tensors of a fixed list of backends (CPU, CUDA, MPS, HIP, XPU, HPU, MTIA) that lacks
+    PrivateUse1. Without this, ``module.to("tpu")`` wraps a new Parameter per referencing module
+    (tied embedding/LM-head weights come apart, optimizers built earlier hold stale parameters) and
+    ``cpu_param.data = tpu_tensor`` raises. Registered at AutogradPrivateUse1, which a call with a tpu
+    argument dispatches to, including the check inside C++'s ``set_data``. A tpu tensor counts as a
+    dense one; the other argument is dense if torch says so against a CPU tensor.
+    """
+    return _is_dense(self) and _is_dense(from_)
+
+
+def _is_dense(x) -> bool:
+    if x.layout != torch.strided:
+        return False
+    return x.device.type == "tpu" or torch._has_compatible_shallow_copy_type(x, _CPU_DENSE)  # noqa: SLF001
+
+
+def _register_shallow_copy_rule() -> None:
+    lib = torch.library.Library("aten", "IMPL")
+    _LIBS.append(lib)
+    lib.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type, "AutogradPrivateUse1",
+             with_keyset=False)
+
+
 def register() -> None:
     """Install the PrivateUse1 kernels (once, from ``tpudist.device``'s import)."""
     from tpudist.ops import registry
 
+    _register_shallow_copy_rule()
     fallback_lib = torch.library.Library("_", "IMPL")
     _LIBS.append(fallback_lib)
     for op in _SPECIAL:

@@ -38,13 +38,27 @@ def is_contiguous(sizes, strides) -> bool:
 
 
 def _plan(sizes, strides):
-    """Dims that matter (size > 1, stride > 0), outermost stride first; None if they overlap."""
+    """Dims that matter (size > 1, stride > 0), outermost stride first; None if they overlap.
+
+    Each dim's stride must cover the span of the dims inside it (``x[:, ::2]`` of a width-5 row: stride
+    5, inner span 5): the row walk pads a row to ``size * stride`` and never touches the padding.
+    """
     dims = [d for d, (n, s) in enumerate(zip(sizes, strides)) if n > 1 and s > 0]
     dims.sort(key=lambda d: -strides[d])
-    for outer, inner in zip(dims, dims[1:]):
-        if strides[outer] < strides[inner] * sizes[inner]:
+    inner_span = 1
+    for d in reversed(dims):
+        if strides[d] < inner_span:
             return None
+        inner_span += (sizes[d] - 1) * strides[d]
     return dims
+
+
+def _element_index(sizes, strides, offset):
+    """The storage index of every element of a view, as a numpy array of the view's shape."""
+    index = np.full((), offset, np.int64)
+    for n, s in zip(sizes, strides):
+        index = index[..., None] + np.arange(n) * s
+    return index
 
 
 def _span(flat, offset, length):
@@ -97,10 +111,7 @@ def read(flat, sizes, strides, offset):
         return _span(flat, offset, numel).reshape(sizes)
     dims = _plan(sizes, strides)
     if dims is None:  # overlapping view (unfold, as_strided tricks): one gather
-        index = np.full((), offset, np.int64)
-        for n, s in zip(sizes, strides):
-            index = index[..., None] + np.arange(n) * s
-        return flat[index]
+        return flat[_element_index(sizes, strides, offset)]
     if not dims:
         value = _span(flat, offset, 1).reshape(())
     else:
@@ -131,6 +142,9 @@ def write(flat, value, sizes, strides, offset):
         return lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
     dims = _plan(sizes, strides)
     if dims is None:
+        index = _element_index(sizes, strides, offset)
+        if np.unique(index).size == index.size:  # interleaved, not overlapping (as_strided): one scatter
+            return flat.at[index.reshape(-1)].set(value.reshape(-1))
         raise NotImplementedError(
             f"writing through an overlapping view (sizes={sizes}, strides={strides}) is not supported "
             "on the tpu device; torch also refuses most writes to overlapping memory: clone() first")

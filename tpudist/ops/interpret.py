@@ -175,7 +175,7 @@ def call(op, *args, **kwargs):
             raise UnsupportedOp(op, " (its decomposition calls the op itself)" if decomp is not None else "")
         token = _DECOMPOSING.set(active | {op})
         try:
-            result = run_decomposition(decomp, args, kwargs)
+            result = run_decomposition(decomp, args, kwargs, op)
             if result is NotImplemented:  # some torch decompositions decline some arguments
                 raise UnsupportedOp(op, " (torch's decomposition declines these arguments)")
         except UnsupportedOp as missing:
@@ -339,8 +339,18 @@ def _write_back(view, func):
         view = base
 
 
-def run_decomposition(decomp, args, kwargs):
-    """Run a torch decomposition on JAX arrays through ``JaxMode``; JAX results back."""
+def run_decomposition(decomp, args, kwargs, op=None):
+    """Run a torch decomposition on JAX arrays through ``JaxMode``; JAX results back.
+
+    A decomposition that writes into an argument of ``op`` which ``op``'s schema does not declare
+    written (torch 2.13's ``native_batch_norm`` updates ``running_mean`` so) raises ``UnsupportedOp``:
+    the caller only gets the results back, so the write would be lost.
+    """
+    args, kwargs = tree_map(_wrap, args), tree_map(_wrap, kwargs)
+    inputs = [(x, x.value) for x in _flat([*args, *kwargs.values()]) if isinstance(x, JaxValue)]
     with JaxMode():
-        out = decomp(*tree_map(_wrap, args), **tree_map(_wrap, kwargs))
+        out = decomp(*args, **kwargs)
+    if op is not None and not op._schema.is_mutable and any(x.value is not value for x, value in inputs):  # noqa: SLF001
+        raise UnsupportedOp(op, " (its decomposition writes into an argument its schema does not declare "
+                                "written, and that write would be lost)")
     return tree_map(_unwrap, out)

@@ -1,4 +1,4 @@
-"""Neural-network ops: activations and their backwards, softmax, layer norm, nll_loss, attention.
+"""Neural-network ops: activations and their backwards, softmax, layer/group/batch norm, nll_loss, attention.
 
 Low-precision inputs compute in float32 and ``call`` rounds the result, as torch's CPU kernels do.
 Backward ops whose formula is the vjp of the forward use ``jax.vjp`` on the forward lowering, so the
@@ -270,6 +270,105 @@ def native_layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight
     grad_w = jnp.sum(g * xhat, axis=outer) if weight is not None and output_mask[1] else None
     grad_b = jnp.sum(g, axis=outer) if bias is not None and output_mask[2] else None
     return grad_x if output_mask[0] else None, grad_w, grad_b
+
+
+# -- batch norm ------------------------------------------------------------------------------------
+# The correctly declared batch norm ops. native_batch_norm's schema hides its writes to running_mean/var,
+# so the device routes it to these (as torch does for functionalization), and the functional twins
+# return the new running statistics for the caller to write back. Statistics in float32, two passes
+# (torch's CPU kernel accumulates in double), output as x * scale + shift per channel like torch's.
+
+def _per_channel(x, v):
+    return v.reshape((1, -1) + (1,) * (x.ndim - 2))
+
+
+def _bn_batch_stats(x, eps):
+    """(mean, biased var, rstd) per channel (dim 1) over every other dim."""
+    xf = _f(x)
+    axes = (0, *range(2, x.ndim))
+    mean = jnp.mean(xf, axis=axes)
+    var = jnp.mean(jnp.square(xf - _per_channel(x, mean)), axis=axes)
+    return mean, var, 1 / jnp.sqrt(var + eps)
+
+
+def _bn_apply(x, mean, rstd, weight, bias):
+    scale = rstd if weight is None else rstd * upcast(weight)
+    shift = -mean * scale if bias is None else upcast(bias) - mean * scale
+    return _f(x) * _per_channel(x, scale) + _per_channel(x, shift)
+
+
+def _bn_update(x, var, mean, running_mean, running_var, momentum):
+    n = x.size // x.shape[1]
+    unbiased = var * (n / (n - 1) if n > 1 else float("nan"))  # torch: var_sum / (n - 1), 0/0 for one value
+    return (momentum * mean + (1 - momentum) * upcast(running_mean),
+            momentum * unbiased + (1 - momentum) * upcast(running_var))
+
+
+def _bn_eval(x, weight, bias, running_mean, running_var, eps):
+    mean, rstd = upcast(running_mean), 1 / jnp.sqrt(upcast(running_var) + eps)
+    return _bn_apply(x, mean, rstd, weight, bias), mean, rstd
+
+
+@lowers(aten._native_batch_norm_legit_functional.default)
+def native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    if not training:
+        return (*_bn_eval(x, weight, bias, running_mean, running_var, eps), running_mean, running_var)
+    mean, var, rstd = _bn_batch_stats(x, eps)
+    return (_bn_apply(x, mean, rstd, weight, bias), mean, rstd,
+            *_bn_update(x, var, mean, running_mean, running_var, momentum))
+
+
+@lowers(aten._native_batch_norm_legit.no_stats)
+def native_batch_norm_legit_no_stats(x, weight, bias, training, momentum, eps):
+    if not training:  # torch 2.13's CPU kernel crashes here (segfault); nn modules never ask for it
+        raise ValueError("_native_batch_norm_legit.no_stats with training=False has no statistics to normalize "
+                         "with: pass running_mean/running_var, or training=True for batch statistics")
+    mean, _, rstd = _bn_batch_stats(x, eps)
+    return _bn_apply(x, mean, rstd, weight, bias), mean, rstd
+
+
+@lowers(aten._native_batch_norm_legit_no_training.default)
+def native_batch_norm_legit_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
+    return _bn_eval(x, weight, bias, running_mean, running_var, eps)
+
+
+@lowers(aten._batch_norm_with_update_functional.default)
+def batch_norm_with_update_functional(x, weight, bias, running_mean, running_var, momentum, eps):
+    out, mean, rstd, new_mean, new_var = native_batch_norm_legit_functional(
+        x, weight, bias, running_mean, running_var, True, momentum, eps)
+    return out, mean, rstd, jnp.zeros((0,), jnp.uint8), new_mean, new_var  # reserve: cuDNN's, empty elsewhere
+
+
+@lowers(aten._batch_norm_no_update.default)
+def batch_norm_no_update(x, weight, bias, running_mean, running_var, momentum, eps):
+    if running_mean is None or running_var is None:
+        out, mean, rstd = native_batch_norm_legit_no_stats(x, weight, bias, True, momentum, eps)
+    else:
+        out, mean, rstd = _bn_eval(x, weight, bias, running_mean, running_var, eps)
+    return out, mean, rstd, jnp.zeros((0,), jnp.uint8)
+
+
+@lowers(aten.native_batch_norm_backward.default)
+def native_batch_norm_backward(grad_out, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+                               output_mask):
+    """torch's CPU formula: in training the batch statistics' own gradients enter grad_input."""
+    if train:
+        mean, rstd = upcast(save_mean), upcast(save_invstd)
+    else:
+        mean, rstd = upcast(running_mean), 1 / jnp.sqrt(upcast(running_var) + eps)
+    g, xc = upcast(grad_out), _f(x) - _per_channel(x, mean)
+    axes = (0, *range(2, x.ndim))
+    grad_sum = jnp.sum(g, axis=axes)
+    dot = jnp.sum(g * xc, axis=axes)
+    scale = rstd if weight is None else rstd * upcast(weight)
+    if train:
+        n = x.size // x.shape[1]
+        k = dot * rstd * rstd / n
+        grad_x = (g - xc * _per_channel(x, k) - _per_channel(x, grad_sum / n)) * _per_channel(x, scale)
+    else:
+        grad_x = g * _per_channel(x, scale)
+    return (grad_x if output_mask[0] else None, dot * rstd if output_mask[1] else None,
+            grad_sum if output_mask[2] else None)
 
 
 # -- losses ----------------------------------------------------------------------------------------
