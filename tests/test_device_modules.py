@@ -10,8 +10,8 @@ builds the module on the CPU with a fixed seed; a deep copy is moved with ``.to(
 - backward with a fixed random cotangent per floating output: gradients of the inputs and parameters;
 - buffers after the train-mode forward (BatchNorm running stats, ``num_batches_tracked``);
 - a second forward in eval mode for modules whose train and eval modes differ;
-- the first input again in Fused mode (forward and backward as one program), unless
-  ``TPUDIST_MODULES_FUSED=0``.
+- the first input that passed, again in Fused mode (forward and backward recorded, run as one program at
+  the sync), unless ``TPUDIST_MODULES_FUSED=0``.
 Modules whose results are random in train mode are compared on dtypes and shapes there, and checked
 against their rule (``RANDOM``: dropout's zeros and scale, RReLU's slope range).
 
@@ -414,18 +414,17 @@ def run_module_on_device(name: str) -> dict:
     # torch's own generators make every input on the CPU; the device copies them
     all_inputs = list(info.module_inputs_func(info, device="cpu", dtype=torch.float32, requires_grad=True,
                                               training=training))
-    chosen = _spread(all_inputs, MAX_INPUTS)
-    outcomes = []
-    for i, module_input in enumerate(chosen):
-        desc = module_input.desc or f"#{all_inputs.index(module_input)}"
-        outcomes.append((desc, *_outcome(name, info, module_input, training, fused=False)))
-    first_pass = next((m for m, o in zip(chosen, outcomes) if o[1] == "pass"), None)
+    def desc(index):
+        return all_inputs[index].desc or f"#{index}"
+
+    indices = _spread(range(len(all_inputs)), MAX_INPUTS)
+    outcomes = [(desc(i), *_outcome(name, info, all_inputs[i], training, fused=False)) for i in indices]
+    first_pass = next((i for i, o in zip(indices, outcomes) if o[1] == "pass"), None)
     if FUSED and first_pass is not None:
-        # the inputs' grads from the strict run must not add up with the fused run's
+        # fresh inputs: the strict run's input grads must not add up with the fused run's
         fresh = info.module_inputs_func(info, device="cpu", dtype=torch.float32, requires_grad=True,
                                         training=training)
-        module_input = fresh[all_inputs.index(first_pass)]
-        outcomes.append((f"fused:{module_input.desc}", *_outcome(name, info, module_input, training, fused=True)))
+        outcomes.append((f"fused:{desc(first_pass)}", *_outcome(name, info, fresh[first_pass], training, fused=True)))
     return {"inputs": len(all_inputs), "outcomes": outcomes}
 
 
