@@ -478,6 +478,12 @@ def run_all_cases():
     test_identity_ops_through_call()
     test_matmul_backward_matches_autograd()
     test_attention_dropout_draws_a_key()
+    for bias in (True, False):
+        test_fused_lstm_cell_and_backward_match_cpu(bias)
+        test_fused_gru_cell_and_backward_match_cpu(bias)
+    test_polar_and_complex_match_cpu()
+    for op, failing, passing, message in _ASSERT_CASES:
+        test_assertions_raise_as_torch_does_concrete_and_traced(op, failing, passing, message)
 
 
 # -- a Llama-style training step ------------------------------------------------------------------
@@ -606,7 +612,7 @@ def test_rope_with_complex_numbers_matches_cpu():
     assert compare(fwd_bwd(xq, freqs, grad), run_on_jax(fwd_bwd, xq, freqs, grad), atol=1e-5) is None
 
 
-@pytest.mark.parametrize("op,failing,passing,message", [
+_ASSERT_CASES = [
     (aten._assert_async.default, (torch.tensor(0.0),), (torch.tensor(2.0),),
      "Expected Tensor with single nonzero value, but got zero"),
     (aten._assert_async.msg, (torch.tensor(False), "my check"), (torch.tensor(True), "my check"), "my check"),
@@ -615,7 +621,12 @@ def test_rope_with_complex_numbers_matches_cpu():
      (torch.tensor(True), "dep check", torch.empty(0)), "dep check"),
     (aten._functional_assert_scalar.default, (False, "dep scalar", torch.empty(0)),
      (True, "dep scalar", torch.empty(0)), "dep scalar"),
-], ids=["assert_async", "assert_async.msg", "assert_scalar", "functional_assert_async", "functional_assert_scalar"])
+]
+
+
+@pytest.mark.parametrize("op,failing,passing,message", _ASSERT_CASES,
+                         ids=["assert_async", "assert_async.msg", "assert_scalar", "functional_assert_async",
+                              "functional_assert_scalar"])
 def test_assertions_raise_as_torch_does_concrete_and_traced(op, failing, passing, message):
     with pytest.raises(RuntimeError, match=message):
         op(*failing)
