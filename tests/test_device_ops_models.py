@@ -15,6 +15,7 @@ import torch
 from tpudist.testing import RankPool
 
 MODES = ("strict", "fused")
+ALL_MODES = ("debug", "strict", "fused")  # where debug is cheap (a few small ops)
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +216,7 @@ def run_complex_cases(mode):
     return results
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_complex_tensors_match_cpu(dev, mode):
     for name, (same_meta, diff) in dev(run_complex_cases, mode).items():
         assert same_meta, f"{name}: dtypes or shapes differ from CPU"
@@ -250,7 +251,7 @@ def run_assertions(mode):
     return outcomes
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_assertions_raise_on_the_device(dev, mode):
     out = dev(run_assertions, mode)
     assert out["true"] == "ok" and out["after"] == "ok"
