@@ -9,8 +9,8 @@ train ``STEPS`` AdamW steps from the same initial weights in each way a user run
 - ``compile_device``: the same on the device's tensors.
 
 Each must match CPU eager: losses within 1e-4 relative at every step, parameters and buffers (BatchNorm
-running statistics) within 1% of how far training moved them (an L2 norm: AdamW normalises each element's
-step, so an element whose gradient is rounding noise may step either way; a missed update is 100%), the same number of parameters (tied weights stay tied), no CPU
+running statistics) within 1% of how far training moved them plus 1e-5 (L2 norms: AdamW normalises each
+element's step, so an element whose gradient is rounding noise may step either way; a missed update is 100%), the same number of parameters (tied weights stay tied), no CPU
 fallback, and no new program compiled after step 2 (the step is cached, not rebuilt). The device is
 installed in one worker process shared by all cases (it renames PrivateUse1 for the whole process).
 """
@@ -26,6 +26,7 @@ import zoo_models
 WAYS = ("strict", "fused", "compile_cpu", "compile_device")
 LOSS_RTOL = 1e-4
 STATE_RTOL = 1e-2  # of the L2 norm of (trained - initial), per parameter or buffer
+STATE_ATOL = 1e-5  # for what training barely moves (BERT's key bias: its gradient is 0 up to rounding)
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +105,8 @@ def run_family(family: str, way: str) -> dict:
         got = got.detach().cpu()
         if ref.dtype.is_floating_point:
             moved = (ref.detach() - initial[name]).norm().item()
-            # a buffer training does not move (rotary frequencies) is compared with its own size instead
-            diffs[name] = (got - ref.detach()).norm().item() / max(moved, 1e-3 * ref.norm().item(), 1e-6)
+            err = (got - ref.detach()).norm().item()
+            diffs[name] = 0.0 if err <= STATE_RTOL * moved + STATE_ATOL else f"off by {err:.3g}, moved {moved:.3g}"
         else:
             diffs[name] = 0.0 if torch.equal(got, ref) else f"{got.tolist()} != {ref.tolist()}"
     fallbacks = {k: v - fallbacks_before.get(k, 0) for k, v in torch.tpu.cache_stats()["cpu_fallback_ops"].items()
@@ -145,7 +146,7 @@ def test_zoo_trains_like_cpu(dev, family, way):
     assert not r["fallbacks"], f"CPU fallbacks: {r['fallbacks']}"
     for step, (ref, got) in enumerate(zip(r["ref_losses"], r["losses"])):
         assert abs(got - ref) <= LOSS_RTOL * abs(ref), f"step {step}: loss {got} vs cpu {ref} ({r['losses']} vs {r['ref_losses']})"
-    bad = {k: v for k, v in r["diffs"].items() if not isinstance(v, float) or v > STATE_RTOL}
+    bad = {k: v for k, v in r["diffs"].items() if v != 0.0}
     assert not bad, f"parameters/buffers off CPU eager after {len(r['losses'])} steps: {bad}"
     programs = r["programs"]
     assert programs[-1] == programs[1], f"programs built after step 2: {programs}"
