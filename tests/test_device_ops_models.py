@@ -166,6 +166,11 @@ def _complex_cases():
         torch.view_as_complex(r).mul_(1j)
         return r
 
+    def write_byte_view(d):
+        f = torch.zeros(2).to(d)
+        f.view(torch.uint8)[3] = 63  # the high byte of element 0: 0.5
+        return f
+
     def rope(d):
         xq = x.clone().reshape(1, 3, 1, 4).to(d).requires_grad_()
         freqs = torch.outer(torch.arange(3, device=d).float(),
@@ -195,6 +200,9 @@ def _complex_cases():
         "write_parts": write_parts,
         "write_complex_view": write_complex_view,
         "uint8_view": lambda d: x.to(d).view(torch.uint8)[1:],
+        "bool_byte_views": lambda d: (torch.tensor([True, False, True]).to(d).view(torch.int8),
+                                      torch.tensor([1, 0, 1], dtype=torch.uint8).to(d).view(torch.bool)),
+        "write_byte_view": write_byte_view,
         "rope": rope,
         "polar_grads": polar_grads,
     }

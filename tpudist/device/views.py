@@ -186,6 +186,10 @@ def reinterpret(flat, dtype):
     have = np.dtype(flat.dtype)
     if have == want:
         return flat
+    if have == np.bool_:  # XLA bitcasts no bools: a bool is its byte (torch stores 0 or 1)
+        return reinterpret(flat.astype(np.uint8), want)
+    if want == np.bool_:
+        return reinterpret(flat, np.uint8) != 0
     if have.kind == "c":
         pairs = jnp.stack([jnp.real(flat), jnp.imag(flat)], axis=-1).reshape(-1)
         return reinterpret(pairs, want)
