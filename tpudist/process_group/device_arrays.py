@@ -47,6 +47,24 @@ class View:
     strides: tuple[int, ...]
     offset: int
     dtype: Any  # torch dtype of the tensor
+    pairs: bool = False  # a real view of a complex storage (see complex_pairs): geometry in complex elements
+
+
+def _view(slot: int, t: Any, storage_dtype: Any) -> View:
+    """``t``'s geometry over its storage. c10d hands complex tensors to backends as
+    ``torch.view_as_real`` views (send, recv, all_reduce...): a real view of a complex storage, whose
+    elements the device cannot reinterpret (different item sizes). Such a view is described in the
+    storage's complex elements, and read and written as (..., 2) real pairs."""
+    sizes, strides, offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
+    if storage_dtype.is_complex and t.dtype != storage_dtype and t.dtype == storage_dtype.to_real():
+        if not (sizes and sizes[-1] == 2 and strides[-1] == 1 and offset % 2 == 0
+                and all(s % 2 == 0 for s in strides[:-1])):
+            raise NotImplementedError(
+                f"a {t.dtype} view of shape={sizes}, strides={strides}, offset={offset} over a "
+                f"{storage_dtype} storage: only torch.view_as_real's layout (last dim 2, stride 1) is "
+                "supported for tpu tensors in collectives; pass the complex tensor or a copy")
+        return View(slot, sizes[:-1], tuple(s // 2 for s in strides[:-1]), offset // 2, storage_dtype, True)
+    return View(slot, sizes, strides, offset, t.dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +119,7 @@ def prepare(key: ProgramKey, me: int, inputs: list, widths: list[int], layout: s
             if slot is None:
                 slot = slot_of[id(buf)] = len(buffers)
                 buffers.append(buf)
-            return View(slot, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+            return _view(slot, t, buf.dtype)
 
         in_views = tuple(view_of(t) for t in inputs)
         out_specs = tuple((view_of(t), index) for t, index in outputs)
@@ -307,11 +325,15 @@ def _storages(plan: Plan, given: dict[int, Any]) -> list:
 
 def _read(flat: Any, view: View, numeric: str) -> Any:
     """A view's values, flat, in the dtype the op computes with."""
+    import jax.numpy as jnp
+
     import tpudist.ops as tops
     from tpudist.device import views
     from tpudist.device._storage import _retype
 
     value = _retype(views.read(flat, view.sizes, view.strides, view.offset), tops.to_jax_dtype(view.dtype))
+    if view.pairs:
+        value = jnp.stack([value.real, value.imag], axis=-1)
     return value.reshape(-1).astype(np.dtype(numeric))
 
 
@@ -338,6 +360,7 @@ def _take(result: Any, index: tuple[str, int, int]) -> Any:
 
 
 def _write(flat: Any, view: View, value: Any) -> Any:
+    import jax
     import jax.numpy as jnp
 
     import tpudist.ops as tops
@@ -345,6 +368,9 @@ def _write(flat: Any, view: View, value: Any) -> Any:
     from tpudist.device._storage import _retype
 
     want = tops.to_jax_dtype(view.dtype)
+    if view.pairs:
+        value = value.reshape(*view.sizes, 2)
+        value = jax.lax.complex(value[..., 0], value[..., 1])
     value = (value != 0) if want == jnp.bool_ else value.astype(want)
     value = _retype(value.reshape(view.sizes), flat.dtype)
     return views.write(flat, value, view.sizes, view.strides, view.offset)

@@ -327,7 +327,18 @@ def _all_to_all_ragged(pg: Any, op: str, inputs: list, outputs: list, async_op: 
     return pg._enqueue(work, task, async_op)  # noqa: SLF001
 
 
-def point_to_point(op: str) -> None:
-    raise NotImplementedError(
-        f"{op} of tpu tensors is not supported yet: tpudist pairs sends and receives through host "
-        "buffers. Send t.cpu() and copy the received tensor to the device with .to('tpu').")
+# -- point to point: posted, paired and run as 2-device programs by p2p.py ------------------------------
+
+
+def send(pg: Any, tensors: list, dst: int, tag: int) -> Work:
+    from tpudist.process_group.p2p import P2P
+
+    return P2P.post(pg, "send", _one("send", tensors), pg._check_rank("send", "dst", dst), tag)  # noqa: SLF001
+
+
+def recv(pg: Any, tensors: list, src: int | None, tag: int) -> Work:
+    """A recv from ``src``, or from any source when ``src`` is None."""
+    from tpudist.process_group.p2p import P2P
+
+    peer = None if src is None else pg._check_rank("recv", "src", src)  # noqa: SLF001
+    return P2P.post(pg, "recv", _one("recv", tensors), peer, tag)

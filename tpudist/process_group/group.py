@@ -450,20 +450,20 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
     # -- point to point: a 2-device ppermute, both sides dispatching the same program -------------
     def send(self, tensors, dst_rank, tag=0):
         if dc.on_device(tensors):
-            dc.point_to_point("send")
+            return dc.send(self, tensors, dst_rank, tag)
         t = self._one("send", tensors)
         return P2P.post(self, "send", t, self._check_rank("send", "dst", dst_rank), tag)
 
     def recv(self, tensors, src_rank, tag=0):
         if dc.on_device(tensors):
-            dc.point_to_point("recv")
+            return dc.recv(self, tensors, src_rank, tag)
         t = self._one("recv", tensors)
         return P2P.post(self, "recv", t, self._check_rank("recv", "src", src_rank), tag)
 
     def recv_anysource(self, tensors, tag=0):
         # Paired with a sender through the store first, then an ordinary transfer (p2p.py).
         if dc.on_device(tensors):
-            dc.point_to_point("recv")
+            return dc.recv(self, tensors, None, tag)
         return P2P.post(self, "recv", self._one("recv", tensors), None, tag)
 
     # -- synchronisation --------------------------------------------------------------------------

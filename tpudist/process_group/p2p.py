@@ -4,22 +4,32 @@ A recv from any source (``recv``/``irecv`` without ``src``) is paired first, thr
 c10d store: every send adds one to a counter ``(sender, receiver, tag)`` when it is posted, and
 the receiver, whose recvs from each sender are counted too, waits for a sender whose counter has
 passed what it already received, then runs the ordinary 2-device transfer with it.
+
+A "tpu" device tensor travels as a device call (:mod:`~tpudist.process_group.device_arrays`): its
+storage's ``jax.Array`` goes into the 2-device program and the receiver's storage takes the
+program's output, with no host copy. Its key carries the element count and dtype (CPU tensors
+travel as raw bytes), so a recv whose tensor differs from the send's in either raises
+``CollectiveMismatch`` on both ranks, from the envelope's fingerprint exchange, before any data moves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 
+from tpudist.process_group import device_arrays as da
+from tpudist.process_group import device_collectives as dc
 from tpudist.process_group import tensors as tz
 from tpudist.process_group.checks import check_output, overlaps
 from tpudist.process_group.programs import ProgramKey
-from tpudist.process_group.work import STREAM, Work
+from tpudist.process_group.work import STREAM, CollectiveMismatch, Work
 
 
 class DeferredWork(Work):
@@ -46,6 +56,20 @@ class DeferredWork(Work):
         return self.source
 
 
+@dataclass(slots=True)
+class Pending:
+    """A posted send or recv. ``call``: the device call of a tpu tensor (None for a CPU tensor),
+    prepared when posted so that a send carries what its tensor held at the call."""
+
+    order: tuple  # (sender, receiver, tag) in global ranks; sender None: a recv from any source
+    seq: int
+    group: Any
+    kind: str
+    tensor: torch.Tensor
+    work: DeferredWork
+    call: da.DeviceCall | None
+
+
 class PointToPoint:
     """Pending sends and recvs of this process, issued in one global order.
 
@@ -55,7 +79,7 @@ class PointToPoint:
     """
 
     def __init__(self) -> None:
-        self._pending: list[tuple] = []
+        self._pending: list[Pending] = []
         self._seq = 0
 
     def post(self, group: Any, kind: str, t: torch.Tensor, peer: int | None, tag: int) -> Work:
@@ -73,18 +97,20 @@ class PointToPoint:
         if kind == "recv":
             work.source = peer
         self._check_disjoint(kind, t, shown, dst)
+        call = _device_call(kind, t) if _on_device(t) else None
         if kind == "send":  # before the transfer can block: an any-source receiver pairs on this
             _announce(group, group.rank(), peer, tag)
         self._seq += 1
-        self._pending.append(((src, dst, tag), self._seq, group, kind, t, work))
+        self._pending.append(Pending((src, dst, tag), self._seq, group, kind, t, work, call))
         return work
 
     def _check_disjoint(self, kind: str, t: torch.Tensor, src: int, dst: int) -> None:
         """A recv may not share memory with another pending send or recv: the batch runs in an order
         tpudist chooses, so the send would carry the old or the received bytes. Refusing one op
         refuses the whole batch (its other ops would otherwise run unpaired)."""
-        for (p_src, p_dst, _), _, _, p_kind, p_t, _ in self._pending:
-            if "recv" in (kind, p_kind) and overlaps(t, p_t):
+        for p in self._pending:
+            (p_src, p_dst, _), p_kind, p_t = p.order, p.kind, p.tensor
+            if "recv" in (kind, p_kind) and _shares_memory(t, p_t):
                 error = ValueError(
                     f"{kind} {src}->{dst} of {tuple(t.shape)} {t.dtype}: its tensor shares memory with "
                     f"the pending {p_kind} {p_src}->{p_dst} of {tuple(p_t.shape)} {p_t.dtype}. The sends "
@@ -101,8 +127,8 @@ class PointToPoint:
     def cancel(self, error: BaseException) -> None:
         """Fails every pending send and recv with ``error`` (abort: none of them will run)."""
         pending, self._pending = self._pending, []
-        for *_, work in pending:
-            work._finish(None, error)
+        for p in pending:
+            p.work._finish(None, error)  # noqa: SLF001
 
     def flush(self) -> None:
         """Issues the pending sends and recvs: sorted by (sender, receiver, tag), then issue order,
@@ -110,18 +136,16 @@ class PointToPoint:
         cannot be sorted (its sender is known only once paired): it stays where it was issued, and
         the ops before and after it are sorted on their own."""
         pending, self._pending = self._pending, []
-        segment: list[tuple] = []
+        segment: list[Pending] = []
         for op in pending + [None]:
-            if op is not None and op[0][0] is not None:
+            if op is not None and op.order[0] is not None:
                 segment.append(op)
                 continue
-            for (src, dst, tag), _, group, kind, t, work in sorted(segment, key=lambda p: (p[0], p[1])):
-                STREAM.submit(work, functools.partial(_transfer, group, kind, t, src, dst, tag, work),
-                              async_op=True)
+            for p in sorted(segment, key=lambda p: (p.order, p.seq)):
+                STREAM.submit(p.work, functools.partial(_transfer, p, *p.order[:2]), async_op=True)
             segment = []
             if op is not None:
-                (_, dst, tag), _, group, kind, t, work = op
-                STREAM.submit(work, functools.partial(_recv_any, group, t, tag, work), async_op=True)
+                STREAM.submit(op.work, functools.partial(_recv_any, op), async_op=True)
 
 
 def _counter(src: int, dst: int, tag: int) -> str:
@@ -144,10 +168,11 @@ def _received(group: Any) -> dict[tuple[int, int], int]:
 _POLL_FIRST_S, _POLL_MAX_S = 0.0005, 0.02
 
 
-def _recv_any(group: Any, t: torch.Tensor, tag: int, work: "DeferredWork"):
+def _recv_any(op: Pending):
     """Finds a rank that sent this rank a message with ``tag`` not yet received, then receives it."""
     from tpudist.process_group.work import CollectiveTimeout
 
+    group, tag = op.group, op.order[2]
     me, received = group.rank(), _received(group)
     peers = [r for r in range(group.size()) if r != me]
     deadline = time.monotonic() + group._timeout.total_seconds()  # noqa: SLF001
@@ -155,9 +180,8 @@ def _recv_any(group: Any, t: torch.Tensor, tag: int, work: "DeferredWork"):
     while True:
         for peer in peers:  # the lowest group rank with a pending send wins
             if group._store.add(_counter(peer, me, tag), 0) > received.get((peer, tag), 0):  # noqa: SLF001
-                work.source = peer
-                return _transfer(group, "recv", t, group.global_ranks[peer], group.global_ranks[me],
-                                 tag, work)
+                op.work.source = peer
+                return _transfer(op, group.global_ranks[peer], group.global_ranks[me])
         if time.monotonic() > deadline:
             raise CollectiveTimeout(
                 f"{group._describe('recv from any source')}: no rank of the group sent rank {me} a "  # noqa: SLF001
@@ -167,13 +191,25 @@ def _recv_any(group: Any, t: torch.Tensor, tag: int, work: "DeferredWork"):
         pause = min(pause * 2, _POLL_MAX_S)
 
 
-def _transfer(group: Any, kind: str, t: torch.Tensor, src: int, dst: int, tag: int = 0,
-              work: Any = None):
+def _transfer(op: Pending, src: int, dst: int):
+    group, kind, t, tag = op.group, op.kind, op.tensor, op.order[2]
     if kind == "recv":  # counted before it runs: the sender's counter already includes it
         peer = group.global_ranks.index(src)
         received = _received(group)
         received[(peer, tag)] = received.get((peer, tag), 0) + 1
     pair = (min(src, dst), max(src, dst))
+    try:
+        return (_host_transfer if op.call is None else _device_transfer)(op, pair, src, dst)
+    except CollectiveMismatch as e:
+        raise CollectiveMismatch(
+            f"{kind} {src}->{dst} (tag {tag}) of {tuple(t.shape)} {t.dtype} on {t.device.type}: the sender's "
+            "and the receiver's tensors differ (a tpu tensor's recv must match its send's element count "
+            "and dtype, a cpu tensor's its size in bytes; both sides on one device type). "
+            f"{e}") from e
+
+
+def _host_transfer(op: Pending, pair: tuple[int, int], src: int, dst: int):
+    group, kind, t = op.group, op.kind, op.tensor
     unit = tz.byte_unit(tz.nbytes(t))
     block = tz.raw(t, unit) if kind == "send" else np.zeros(tz.nbytes(t) // unit.itemsize, unit)
     key = ProgramKey("permute", tuple(block.shape), block.dtype.name, pair,
@@ -182,6 +218,53 @@ def _transfer(group: Any, kind: str, t: torch.Tensor, src: int, dst: int, tag: i
     if kind == "recv":
         tz.write_raw(t, out.view(np.uint8))
     return [t]
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    return not t.is_cpu and t.device.type == "tpu"
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """:func:`overlaps` for CPU tensors; tpu tensors (whose ``data_ptr()`` is 0, an offset into
+    their storage) share memory only within one storage."""
+    a_dev, b_dev = _on_device(a), _on_device(b)
+    if a_dev or b_dev:
+        from tpudist.device import _storage
+
+        if not (a_dev and b_dev) or _storage.buffer_of(a) is not _storage.buffer_of(b):
+            return False
+    return overlaps(a, b)
+
+
+# -- tpu tensors: the storages' jax.Arrays go into the 2-device program --------------------------------
+
+
+def _device_key(kind: str, t: torch.Tensor, pair: tuple[int, int], src: int, dst: int) -> ProgramKey:
+    """The permute of ``t``'s elements in their dtype (the dtype is in the fingerprint, unlike the
+    CPU path's raw bytes): sender and receiver of different dtypes or sizes get a mismatch."""
+    return ProgramKey("permute", (t.numel(),), dc._numeric(kind, t.dtype), pair,  # noqa: SLF001
+                      static=((pair.index(src), pair.index(dst)),))
+
+
+def _device_call(kind: str, t: torch.Tensor) -> da.DeviceCall:
+    """The call's plan with a provisional key (the pair is known when it runs, a recv from any
+    source's only once paired) and the storages' values now. A send reads ``t``; a recv reads
+    nothing (its block is zeros) and writes the result into ``t``'s view of its storage."""
+    key = _device_key(kind, t, (0, 1), 0, 1)
+    if kind == "send":
+        return da.prepare(key, 0, [t], [t.numel()], "flat", [])
+    return da.prepare(key, 0, [], [], "flat", [(t, ("flat", 0, t.numel()))])
+
+
+def _device_transfer(op: Pending, pair: tuple[int, int], src: int, dst: int):
+    key = _device_key(op.kind, op.tensor, pair, src, dst)
+    me = src if op.kind == "send" else dst
+    call = da.DeviceCall(dataclasses.replace(op.call.plan, key=key, me=pair.index(me)), op.call.arrays,
+                         op.call.buffers)
+    new_values = op.group._run_program(op.kind, key, call)  # noqa: SLF001
+    if op.kind == "recv":
+        da.write_back(call, new_values)
+    return [op.tensor]
 
 
 P2P = PointToPoint()

@@ -1,0 +1,81 @@
+"""Point to point and pipeline parallelism on "tpu" device tensors, against gloo on CPU tensors.
+
+Every case runs on the module's pool of two ranks; rank functions are in ``rank_fns_p2p.py`` and
+import ``tpudist.device`` themselves (this process never does).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rank_fns_p2p as fns
+from tpudist.testing import RankPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2, timeout=300) as pool:
+        yield pool
+
+
+def _same_bits(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (-0.0 and NaN payloads included)."""
+    as_bytes = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return got.dtype == ref.dtype and got.shape == ref.shape and torch.equal(as_bytes(got), as_bytes(ref))
+
+
+def test_point_to_point_equals_gloo(pool):
+    """send/recv (with src and from any source), isend/irecv, batch_isend_irecv, tags, a subgroup,
+    strided sends, recvs into views, every dtype: the same bits as gloo on CPU tensors."""
+    tpu, gloo = pool.run(fns.exchange, "tpu"), pool.run(fns.exchange, "cpu")
+    for rank, (got, ref) in enumerate(zip(tpu, gloo)):
+        assert set(got) == set(ref), rank
+        assert len([k for k in ref if k.startswith("dtype_")]) == len(fns.DTYPES)
+        for name, value in ref.items():
+            if isinstance(value, torch.Tensor):
+                assert _same_bits(got[name], value), (rank, name, got[name], value)
+            else:
+                assert got[name] == value, (rank, name)
+    assert gloo[0]["any_source_rank"] == 1
+    assert gloo[1]["recv_into_views_base"][1:3, 2:5].tolist() == [[4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]
+
+
+def test_mismatched_sends_and_recvs_are_named_errors(pool):
+    for rank, errors in enumerate(pool.run(fns.mismatches)):
+        for name in ("numel", "dtype", "device", "async_numel"):
+            kind, _, message = errors[name].partition(": ")
+            assert kind == "CollectiveMismatch", (rank, name, errors[name])
+            assert "the sender's and the receiver's tensors differ" in message, message
+            assert "0->1" in message and "no data was exchanged" in message, message
+        assert "permute of 3 x float32" in errors["numel"] and "permute of 4 x float32" in errors["numel"]
+        assert "permute of 3 x int32" in errors["dtype"]
+        assert "on tpu tensors" in errors["device"] and "on cpu tensors" in errors["device"]
+        assert errors["expanded_recv"].startswith("ValueError: recv: tensor has elements that share memory")
+        assert errors["after_all_reduce"] == [2.0, 2.0]
+        assert errors["after_p2p"] == [6.0 - rank] * 2
+
+
+def test_point_to_point_makes_no_host_copy(pool):
+    """The sender's storage buffer enters the 2-device program and the program's output becomes the
+    receiver's storage; no host conversion runs and the only arrays fetched to the host are the
+    fingerprints (2 ranks x 6 int32). Controls: a CPU send/recv and a .cpu() are counted."""
+    for rank, out in enumerate(pool.run(fns.no_host_copy)):
+        assert [name for name, _ in out["checks"]] == (["send", "recv"] if rank == 0 else ["recv", "send"]) + [
+            "batch_isend_irecv", "irecv_into_view"]
+        for name, links in out["checks"]:
+            assert links and all(links), (rank, name, links)
+        assert set(out["host_conversions"].values()) <= {0}, out["host_conversions"]
+        assert out["fetched"] and set(out["fetched"]) == {12}, out["fetched"]
+        assert out["controls"].get("raw", 0) + out["controls"].get("write_raw", 0) >= 1
+        assert out["controls"].get("to_torch", 0) >= 1
+        res = out["results"]
+        assert res["recv"].tolist() == (torch.arange(6.0) * (2 - rank)).tolist()
+        assert res["batch"].tolist() == (torch.arange(3000.0) + 1 - rank).tolist()
+        assert res["view_base"][:, 1].tolist() == (torch.arange(4.0) + 10 * (1 - rank)).tolist()
+        assert res["view_base"][:, [0, 2]].abs().sum() == 0
+
+
+def test_the_no_host_copy_check_sees_a_copy(pool):
+    for rank, out in enumerate(pool.run(fns.no_host_copy, True)):
+        assert not all(all(links) for _, links in out["checks"]), (rank, out["checks"])
