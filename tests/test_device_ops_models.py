@@ -295,7 +295,8 @@ def run_fallback():
             out["cpu_only"] = [probe.cpu_only(x).cpu() for _ in range(2)][-1]
             out["composite"] = probe.composite(x).cpu()
             out["histc"] = torch.histc(torch.tensor([0.5, 1.5, 1.7, 3.0]).to("tpu"), bins=3, min=0, max=3).cpu()
-        out["warnings"] = sorted(str(w.message).split(" has no")[0] for w in caught if "no JAX lowering" in str(w.message))
+        out["warnings"] = sorted(str(w.message).split(" has no")[0] for w in caught
+                                 if "no JAX lowering" in str(w.message))
         try:
             probe.cuda_only(x)
         except UnsupportedOp as e:

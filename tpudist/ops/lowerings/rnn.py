@@ -116,8 +116,10 @@ def _gru_cell_meta(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=N
 def _gru_cell_backward_meta(grad_hy, workspace, has_bias):
     batch, hidden = workspace.shape[0], workspace.shape[1] // 5
     gates = grad_hy.new_empty((batch, 3 * hidden))
-    bias = grad_hy.new_empty((3 * hidden,)) if has_bias else None
-    return gates, torch.empty_like(gates), torch.empty_like(grad_hy), bias, None if bias is None else torch.empty_like(bias)
+    if not has_bias:
+        return gates, torch.empty_like(gates), torch.empty_like(grad_hy), None, None
+    bias = grad_hy.new_empty((3 * hidden,))
+    return gates, torch.empty_like(gates), torch.empty_like(grad_hy), bias, torch.empty_like(bias)
 
 
 _META_LIB = torch.library.Library("aten", "IMPL")
