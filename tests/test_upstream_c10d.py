@@ -7,7 +7,7 @@ which runs each chunk on gloo first and requires the same outcome there.
 
 The swap is the one a user makes: the suite is imported and decides what to run and expect as for
 gloo, and ``init_process_group(backend="gloo")`` creates "tpu" instead. Tests of the suite that
-pass on gloo but not on "tpu" are in ``NOT_ON_TPU`` with the reason (and in the README).
+pass on gloo but not on "tpu" are in ``NOT_ON_TPU`` with the reason (and in docs/testing.md).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ RUNNER = os.path.join(HERE, "upstream", "c10d_spawn.py")
 # Chosen to cover the c10d entry points a Python backend serves (and the forms issue 12 found
 # broken) at two ranks within CI's budget (each test spawns fresh ranks: ~3-6 s on a quiet 2-core
 # machine); every one of them passes on gloo at 2 ranks (the suite's all_to_all tests are MPI-only).
-# More that pass on both, left out for time, are listed in the README. Three chunks, so
+# More that pass on both, left out for time, are listed in docs/testing.md. Three chunks, so
 # pytest-xdist can spread them.
 SELECTION = {
     "p2p": [

@@ -321,7 +321,7 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
     (:func:`checked_body`): one program per call. With the thread idle for both, that took
     0.80-0.93x the separate pair's time on 2 ranks (128 KB all_gather and reduce_scatter, 1 MiB
     all_reduce) and 0.87-1.02x on 4. Larger data programs keep the separate exchange, so the data
-    can move with the thread at normal priority. See the README for the measurements.
+    can move with the thread at normal priority. Measurements: docs/design.md and benchmarks/RESULTS.md.
     """
     import jax
     from jax._src import core
