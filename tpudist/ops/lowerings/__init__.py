@@ -1,4 +1,4 @@
 """The lowerings, one module per family of ops; importing this package registers them all."""
 
 from tpudist.ops.lowerings import (  # noqa: F401
-    asserts, complex, elementwise, factories, foreach, indexing, linalg, nn, pooling, random, reductions, rnn, shape)
+    asserts, complex, elementwise, factories, foreach, indexing, linalg, nn, nn_extra, pooling, random, reductions, rnn, shape)

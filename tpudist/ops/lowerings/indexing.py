@@ -20,9 +20,12 @@ aten = torch.ops.aten
 
 
 def _concrete_mask(mask, op):
+    # JAX's own concretization error: the device (and opcheck) take it as "run this op on concrete
+    # values outside jit", so eager x[mask] / nonzero / masked_select work; a compiled graph still fails.
     if isinstance(mask, jax.core.Tracer):
-        raise NotImplementedError(f"{op} with a boolean mask has a data-dependent shape and cannot run inside "
-                                  "jax.jit; run it eagerly (Debug mode) or use torch.where")
+        raise jax.errors.ConcretizationTypeError(
+            mask, f"{op} with a boolean mask has a data-dependent shape and cannot run inside jax.jit; run it "
+                  "eagerly or use torch.where")
     return np.asarray(mask)
 
 
@@ -43,6 +46,19 @@ def index(x, indices):
     return x[_index_tuple(indices, "aten.index")]
 
 
+def _put_per_true(x, mask, values):
+    """``x[mask] = values`` with values (number of Trues, *x.shape[mask.ndim:]), inside jit too: the k-th
+    True takes values[k] (a running count of the mask picks it), so no data-dependent shape arises."""
+    from tpudist.ops.lowerings.asserts import _check  # checked now, or by the program when it runs
+
+    _check(jnp.sum(mask) == values.shape[0], f"shape mismatch: value tensor of shape {list(values.shape)} "
+           "cannot be broadcast to indexing result: x[mask] = values needs one value per True element of mask")
+    position = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, max(values.shape[0] - 1, 0)).reshape(mask.shape)
+    picked = values[position] if values.shape[0] else jnp.zeros(mask.shape + values.shape[1:], values.dtype)
+    keep = mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
+    return jnp.where(keep, picked, x)
+
+
 @lowers(aten.index_put.default, aten._unsafe_index_put.default)
 def index_put(x, indices, values, accumulate=False):
     values = values.astype(x.dtype)
@@ -51,6 +67,8 @@ def index_put(x, indices, values, accumulate=False):
         mask = mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
         if values.ndim <= x.ndim - indices[0].ndim or values.size == 1:
             return jnp.where(mask, values.reshape(values.shape[-max(0, x.ndim - indices[0].ndim):] if values.ndim else ()), x)
+        if values.shape[1:] == x.shape[indices[0].ndim:]:  # one value per True element, in order
+            return _put_per_true(x, indices[0], values)
     index = _index_tuple(indices, "aten.index_put")
     if accumulate and x.dtype == jnp.bool_:  # accumulating bools is a logical or
         return x.astype(jnp.int8).at[index].add(values.astype(jnp.int8)) != 0
