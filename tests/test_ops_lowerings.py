@@ -465,6 +465,29 @@ def test_16_bit_division_and_fused_multiply_adds_are_within_one_ulp_of_torch(dty
         assert bool(((expected[off].float() - actual[off].float()).abs() <= ulp).all()), op
 
 
+def test_batch_norm_lowerings_match_cpu():
+    """The correctly declared batch norm ops (the device routes native_batch_norm to them). In eval mode
+    torch's CPU kernels return empty save_mean/save_invstd where meta (and CUDA) return the running
+    statistics: the outputs are compared with CPU, the saved statistics with that rule."""
+    x, w, b, rm, rv = _t(5, 3, 4), _t(3, low=0.5, high=1.5), _t(3), _t(3), _t(3, low=0.5, high=2)
+    dy = _t(5, 3, 4)
+    for op, args in ((aten._native_batch_norm_legit_functional.default, (x, w, b, rm, rv, True, 0.3, 1e-5)),
+                     (aten._native_batch_norm_legit.no_stats, (x, None, b, True, 0.1, 1e-3)),
+                     (aten._batch_norm_with_update_functional.default, (x, w, None, rm, rv, 0.1, 1e-5))):
+        assert compare(op(*args), run_on_jax(op, *args, jit=False), atol=1e-5) is None, op
+    for op, args in ((aten._native_batch_norm_legit_no_training.default, (x, w, b, rm, rv, 0.1, 1e-5)),
+                     (aten._batch_norm_no_update.default, (x, w, b, rm, rv, 0.1, 1e-5))):
+        expected, actual = op(*args), run_on_jax(op, *args, jit=False)
+        assert compare(expected[0], actual[0], atol=1e-5) is None, op
+        assert compare((rm, (rv + 1e-5).rsqrt()), tuple(actual[1:3]), atol=1e-6) is None, op
+    _, mean, rstd = aten._native_batch_norm_legit.no_stats(x, w, b, True, 0.1, 1e-5)
+    for train, weight, mask in ((True, w, [True, True, True]), (True, None, [True, False, True]),
+                                (False, w, [True, True, False])):
+        args = (dy, x, weight, rm, rv, mean, rstd, train, 1e-5, mask)
+        op = aten.native_batch_norm_backward.default
+        assert compare(op(*args), run_on_jax(op, *args, jit=False), atol=1e-5) is None, (train, mask)
+
+
 def run_all_cases():
     """Every hand-written case, for the coverage check in test_ops_opinfo (pytest runs them one by one)."""
     for case in DIRECT:
@@ -482,6 +505,7 @@ def run_all_cases():
         test_fused_lstm_cell_and_backward_match_cpu(bias)
         test_fused_gru_cell_and_backward_match_cpu(bias)
     test_polar_and_complex_match_cpu()
+    test_batch_norm_lowerings_match_cpu()
     for op, failing, passing, message in _ASSERT_CASES:
         test_assertions_raise_as_torch_does_concrete_and_traced(op, failing, passing, message)
 

@@ -341,11 +341,7 @@ def batch_norm_with_update_functional(x, weight, bias, running_mean, running_var
 
 @lowers(aten._batch_norm_no_update.default)
 def batch_norm_no_update(x, weight, bias, running_mean, running_var, momentum, eps):
-    if running_mean is None or running_var is None:
-        out, mean, rstd = native_batch_norm_legit_no_stats(x, weight, bias, True, momentum, eps)
-    else:
-        out, mean, rstd = _bn_eval(x, weight, bias, running_mean, running_var, eps)
-    return out, mean, rstd, jnp.zeros((0,), jnp.uint8)
+    return (*_bn_eval(x, weight, bias, running_mean, running_var, eps), jnp.zeros((0,), jnp.uint8))
 
 
 @lowers(aten.native_batch_norm_backward.default)
