@@ -28,8 +28,8 @@ def _f(x):
 
 def _pullback(forward, grad, x):
     xf = _f(x)
-    _, vjp = jax.vjp(forward, xf)
-    return vjp(upcast(grad).astype(xf.dtype))[0]
+    y, vjp = jax.vjp(forward, xf)
+    return vjp(upcast(grad).astype(y.dtype).reshape(y.shape))[0]  # (a (1,) meta result may get a () grad)
 
 
 # -- transformer fast paths ------------------------------------------------------------------------
@@ -128,3 +128,116 @@ def nested_tensor_from_mask(t, mask, mask_check=True):
         "src_key_padding_mask; build it with TransformerEncoder(..., enable_nested_tensor=False) (same "
         "results, except that CPU's nested path zeroes the padded positions) or call "
         "torch.backends.mha.set_fastpath_enabled(False)")
+
+
+# -- activation and loss backwards ----------------------------------------------------------------
+
+@lowers(aten.hardshrink_backward.default, aten.softshrink_backward.default)
+def shrink_backward(grad_out, x, lambd):
+    # both pass the gradient where |x| > lambd and zero it elsewhere (ATen's shrink_backward kernel)
+    return jnp.where(jnp.abs(x) > lambd, grad_out, jnp.zeros((), grad_out.dtype))
+
+
+def _vjp_through_table(op, grad, x, *rest):
+    """The gradient w.r.t. ``x`` of ``op(x, *rest)`` (its first result), as its lowering or
+    decomposition computes it (``tpudist.ops.call``)."""
+    from tpudist.ops.interpret import call
+
+    def forward(v):
+        out = call(op, v, *rest)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    return _pullback(forward, grad, x)
+
+
+@lowers(aten.multi_margin_loss_backward.default)
+def multi_margin_loss_backward(grad_out, x, target, p, margin, weight=None, reduction=1):
+    return _vjp_through_table(aten.multi_margin_loss.default, grad_out, x, target, p, margin, weight, reduction)
+
+
+@lowers(aten.multilabel_margin_loss_backward.default)
+def multilabel_margin_loss_backward(grad_out, x, target, reduction, is_target):
+    return _vjp_through_table(aten.multilabel_margin_loss_forward.default, grad_out, x, target, reduction)
+
+
+# -- max pooling: adaptive windows, and backwards from the flat indices of the forward -------------
+
+def _adaptive_max(x, output_size):
+    """(values, flat indices into each input plane) of adaptive max pooling over the last
+    len(output_size) dims; window i of a dim of size L is [floor(i*L/out), ceil((i+1)*L/out)). Windows
+    are padded to the longest by repeating their last element, which leaves the first maximum first."""
+    nd, lead = len(output_size), x.ndim - len(output_size)
+    sizes = x.shape[lead:]
+    gathers, flat = [], 0
+    for d, (size, out) in enumerate(zip(sizes, output_size)):
+        starts = np.array([(i * size) // out for i in range(out)])
+        ends = np.array([-(-((i + 1) * size) // out) for i in range(out)])
+        window = np.minimum(starts[:, None] + np.arange(max(ends - starts, default=1))[None], ends[:, None] - 1)
+        shape = [1] * (2 * nd)
+        shape[2 * d:2 * d + 2] = window.shape
+        gathers.append(window.reshape(shape))
+        flat = flat * size + gathers[-1]
+    per_dim = [2 * d for d in range(nd)] + [2 * d + 1 for d in range(nd)]  # (out_0, out_1, .., k_0, k_1, ..)
+    patches = x[(Ellipsis, *gathers)]  # lead + (out_0, k_0, out_1, k_1, ...)
+    patches = patches.transpose(*range(lead), *[lead + a for a in per_dim])
+    patches = patches.reshape(x.shape[:lead] + tuple(output_size) + (-1,))
+    flat = np.broadcast_to(flat, np.broadcast_shapes(*[w.shape for w in gathers])).transpose(per_dim)
+    flat = jnp.asarray(flat.reshape(tuple(output_size) + (-1,)))
+    best = jnp.argmax(patches, axis=-1)[..., None]
+    values = jnp.take_along_axis(patches, best, axis=-1)[..., 0]
+    return values, jnp.take_along_axis(jnp.broadcast_to(flat, patches.shape), best, axis=-1)[..., 0]
+
+
+@lowers(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
+def adaptive_max_pool(x, output_size):
+    values, indices = _adaptive_max(x, list(output_size))
+    return values, indices.astype(jnp.int64)
+
+
+def _scatter_to_planes(grad, x, indices, nd):
+    """The backward of a max pooling: each output's gradient added at its flat index into its input
+    plane (the last ``nd`` dims of x)."""
+    lead = x.shape[:x.ndim - nd]
+    rows = int(np.prod(lead, dtype=np.int64))
+    g = upcast(grad).reshape(rows, -1)
+    idx = indices.reshape(rows, -1)
+    plane = int(np.prod(x.shape[x.ndim - nd:], dtype=np.int64))
+    out = jnp.zeros((rows, plane), g.dtype).at[jnp.arange(rows)[:, None], idx].add(g)
+    return out.reshape(x.shape)
+
+
+@lowers(aten.adaptive_max_pool2d_backward.default)
+def adaptive_max_pool2d_backward(grad, x, indices):
+    return _scatter_to_planes(grad, x, indices, 2)
+
+
+@lowers(aten.adaptive_max_pool3d_backward.default)
+def adaptive_max_pool3d_backward(grad, x, indices):
+    return _scatter_to_planes(grad, x, indices, 3)
+
+
+@lowers(aten.max_pool3d_with_indices_backward.default)
+def max_pool3d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _scatter_to_planes(grad, x, indices, 3)
+
+
+@lowers(aten.multilabel_margin_loss_forward.default)
+def multilabel_margin_loss_forward(x, target, reduction):
+    """(loss, is_target) as ATen's CPU kernel. torch 2.13's decomposition does not drop the slots after
+    a row's first -1 (a row [2, -1, 0, 0] also counts label 0 twice), so it is not used."""
+    xf = _f(x).reshape((-1, x.shape[-1]) if x.ndim else (1, 1))
+    t = target.reshape(xf.shape)
+    dim = xf.shape[1]
+    valid = jnp.cumprod(t != -1, axis=-1).astype(bool)  # the target slots before the first -1
+    safe = jnp.where(valid, t, 0)
+    picked = jnp.take_along_axis(xf, safe, axis=-1)  # x[target[k]] per slot k
+    is_target = jnp.any((jnp.arange(dim) == safe[:, :, None]) & valid[:, :, None], axis=1)
+    hinge = jnp.maximum(1.0 - picked[:, :, None] + xf[:, None, :], 0.0) / dim  # (row, slot, class)
+    per_row = jnp.sum(jnp.where(valid[:, :, None] & ~is_target[:, None, :], hinge, 0.0), axis=(1, 2))
+    if reduction == 1:
+        loss = jnp.mean(per_row)
+    elif reduction == 2:
+        loss = jnp.sum(per_row)
+    else:
+        loss = per_row.reshape(x.shape[:-1] or (1,))  # torch's meta kernel: (1,) for one sample (CPU gives ())
+    return loss, is_target.astype(xf.dtype).reshape(target.shape)
