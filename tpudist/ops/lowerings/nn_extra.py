@@ -241,3 +241,87 @@ def multilabel_margin_loss_forward(x, target, reduction):
     else:
         loss = per_row.reshape(x.shape[:-1] or (1,))  # torch's meta kernel: (1,) for one sample (CPU gives ())
     return loss, is_target.astype(xf.dtype).reshape(target.shape)
+
+
+# -- embedding bags ---------------------------------------------------------------------------------
+# Result shapes follow torch's meta kernel (the device allocates from it), which differs from the CPU
+# kernel's in the auxiliary results: offset2bag always has one entry per index, bag_size one per offset,
+# max_indices is (0,) unless mode is max. Only the backward ops below read them.
+
+_SUM, _MEAN, _MAX = 0, 1, 2
+
+
+def _bags(indices, offsets, include_last_offset):
+    if indices.ndim != 1:
+        raise ValueError(f"aten._embedding_bag takes 1-D indices with offsets, got indices of shape "
+                         f"{tuple(indices.shape)}; call torch.nn.functional.embedding_bag, which flattens 2-D input")
+    num_bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+    # the bag of index i: the last bag whose start offset is <= i (empty bags repeat an offset)
+    offset2bag = jnp.searchsorted(offsets[:num_bags], jnp.arange(indices.shape[0]), side="right") - 1
+    return jnp.clip(offset2bag, 0, max(num_bags - 1, 0)), num_bags
+
+
+@lowers(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                  per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    offset2bag, num_bags = _bags(indices, offsets, include_last_offset)
+    keep = indices != padding_idx
+    rows = upcast(weight)[indices]
+    if per_sample_weights is not None:
+        rows = rows * upcast(per_sample_weights)[:, None]
+    count = jax.ops.segment_sum(keep.astype(jnp.int64), offset2bag, num_bags)
+    bag_size = jnp.zeros(offsets.shape[0], jnp.int64).at[:num_bags].set(count)
+    if mode == _MAX:
+        masked = jnp.where(keep[:, None], rows, -jnp.inf)
+        best = jax.ops.segment_max(masked, offset2bag, num_bags)
+        first = jnp.where(keep[:, None] & (masked == best[offset2bag]), jnp.arange(indices.shape[0])[:, None],
+                          indices.shape[0])
+        at = jax.ops.segment_min(first, offset2bag, num_bags)  # the first maximal row, as the CPU loop
+        nonempty = count[:, None] > 0
+        max_indices = jnp.where(nonempty, indices[jnp.clip(at, 0, indices.shape[0] - 1)], 0)
+        return jnp.where(nonempty, best, 0), offset2bag, bag_size, max_indices
+    total = jax.ops.segment_sum(jnp.where(keep[:, None], rows, 0), offset2bag, num_bags)
+    if mode == _MEAN:
+        total = total / jnp.maximum(count, 1)[:, None].astype(total.dtype)
+    return total, offset2bag, bag_size, jnp.zeros((0,), jnp.int64)
+
+
+@lowers(aten._embedding_bag_dense_backward.default)
+def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                 scale_grad_by_freq, mode, per_sample_weights, padding_idx=-1):
+    g = upcast(grad)
+    out = jnp.zeros((num_weights, g.shape[-1]), g.dtype)
+    if mode == _MAX:
+        nonempty = (bag_size[:g.shape[0]] > 0)[:, None]
+        cols = jnp.broadcast_to(jnp.arange(g.shape[-1]), g.shape)
+        return out.at[maximum_indices, cols].add(jnp.where(nonempty, g, 0))
+    contrib = g[offset2bag]
+    if mode == _MEAN:
+        contrib = contrib / jnp.maximum(bag_size[offset2bag], 1)[:, None].astype(g.dtype)
+    if per_sample_weights is not None:
+        contrib = contrib * upcast(per_sample_weights)[:, None]
+    if scale_grad_by_freq:
+        freq = jnp.zeros(num_weights, g.dtype).at[indices].add(1)
+        contrib = contrib / freq[indices][:, None]
+    contrib = jnp.where((indices != padding_idx)[:, None], contrib, 0)
+    return out.at[indices].add(contrib)
+
+
+@lowers(aten._embedding_bag_per_sample_weights_backward.default)
+def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
+    if mode != _SUM:
+        raise ValueError(f"embedding_bag: per_sample_weights are only supported for mode='sum', got mode={mode}")
+    dots = jnp.sum(upcast(grad)[offset2bag] * upcast(weight)[indices], axis=-1)
+    return jnp.where(indices != padding_idx, dots, 0)
+
+
+@lowers(aten._embedding_bag_backward.default)
+def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                           scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
+    if sparse:
+        raise NotImplementedError("embedding_bag with sparse=True: sparse gradients do not exist on the 'tpu' "
+                                  "device; build nn.EmbeddingBag with sparse=False")
+    if offset2bag.shape[0] != indices.shape[0]:  # CPU's sum mode leaves it empty: rebuild it from offsets
+        offset2bag = _bags(indices, offsets, False)[0]
+    return embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                        scale_grad_by_freq, mode, per_sample_weights, padding_idx)
