@@ -272,7 +272,7 @@ def mixed_devices() -> dict:
     attempt("one_call", lambda: dist.all_gather([torch.zeros(2), torch.zeros(2, device="tpu")],
                                                 torch.ones(2, device="tpu")))
     attempt("across_ranks", lambda: dist.all_reduce(torch.ones(2, device="tpu") if r == 0 else torch.ones(2)))
-    attempt("send", lambda: dist.send(torch.ones(2, device="tpu"), dst=1 - r))
+    attempt("send", lambda: dist.send(torch.ones(2, device="tpu"), dst=1) if r == 0 else dist.recv(torch.ones(2), src=0))
     attempt("expanded_output", lambda: dist.all_reduce(torch.ones(1, device="tpu").expand(3)))
     t = torch.ones(2, device="tpu")
     dist.all_reduce(t)

@@ -8,6 +8,7 @@ groups made here (the reference); the test compares what the ranks return (CPU t
 from __future__ import annotations
 
 import contextlib
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -180,6 +181,8 @@ def mismatches() -> dict:
     attempt("async_numel", lambda: dist.isend(tpu(2, 3), peer).wait() if r == 0
             else dist.irecv(tpu(3, 3), peer).wait())
     attempt("expanded_recv", lambda: dist.irecv(tpu(1).expand(3), peer))
+    quick = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    attempt("no_receiver", lambda: dist.send(tpu(2), peer, group=quick))  # both send: nobody receives
     t = tpu(2)
     dist.all_reduce(t)
     errors["after_all_reduce"] = t.cpu().tolist()

@@ -52,6 +52,8 @@ def test_mismatched_sends_and_recvs_are_named_errors(pool):
         assert "permute of 3 x int32" in errors["dtype"]
         assert "on tpu tensors" in errors["device"] and "on cpu tensors" in errors["device"]
         assert errors["expanded_recv"].startswith("ValueError: recv: tensor has elements that share memory")
+        assert errors["no_receiver"].startswith(f"CollectiveTimeout: send {rank}->{1 - rank}"), errors["no_receiver"]
+        assert "timeout of 3s" in errors["no_receiver"]
         assert errors["after_all_reduce"] == [2.0, 2.0]
         assert errors["after_p2p"] == [6.0 - rank] * 2
 
@@ -79,3 +81,35 @@ def test_point_to_point_makes_no_host_copy(pool):
 def test_the_no_host_copy_check_sees_a_copy(pool):
     for rank, out in enumerate(pool.run(fns.no_host_copy, True)):
         assert not all(all(links) for _, links in out["checks"]), (rank, out["checks"])
+
+
+PIPELINES = {  # name: (schedule, eager mode, stages per rank)
+    "gpipe_strict": ("ScheduleGPipe", "strict", 1),
+    "1f1b_fused": ("Schedule1F1B", "fused", 1),
+    "interleaved_1f1b_strict": ("ScheduleInterleaved1F1B", "strict", 2),
+    "interleaved_zero_bubble_fused": ("ScheduleInterleavedZeroBubble", "fused", 2),
+    "zbv_zero_bubble_strict": ("ScheduleZBVZeroBubble", "strict", 2),
+}
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_pipeline_schedule_on_device_equals_gloo(pool, name):
+    """torch.distributed.pipelining with the stages' weights on the tpu device: the losses, the last
+    step's gradients and the parameters after the SGD steps equal the same schedule's with gloo on
+    CPU tensors."""
+    schedule, mode, per_rank = PIPELINES[name]
+    tpu = pool.run(fns.pipeline, schedule, "tpu", mode, per_rank)
+    gloo = pool.run(fns.pipeline, schedule, "cpu", mode, per_rank)
+    for rank, (got, ref) in enumerate(zip(tpu, gloo)):
+        assert got["devices"] == ["tpu:0"] and ref["devices"] == ["cpu"]
+        assert got["stages"] == ref["stages"] and len(got["stages"]) == per_rank
+        holds_last = 2 * per_rank - 1 in ref["stages"]
+        assert len(ref["losses"]) == (fns.MICROBATCHES * fns.PIPE_STEPS if holds_last else 0)
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6), rank
+        for what in ("grads", "params"):
+            assert set(got[what]) == set(ref[what]) and ref[what]
+            for key, value in ref[what].items():
+                torch.testing.assert_close(got[what][key], value, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, key=key: f"rank {rank} {what} {key}: {m}")
+    if name == "gpipe_strict":  # the parameters moved: the comparison is not of two untouched models
+        assert any((v.abs() > 0).any() for v in gloo[0]["grads"].values())

@@ -5,6 +5,10 @@ c10d store: every send adds one to a counter ``(sender, receiver, tag)`` when it
 the receiver, whose recvs from each sender are counted too, waits for a sender whose counter has
 passed what it already received, then runs the ordinary 2-device transfer with it.
 
+Both sides of a pair of ranks must run their transfers in one order, and their flushes need not
+hold the same ops (a pipeline schedule waits for different recvs on each side), so the order is
+decided at run time by the pair's lower rank (:class:`PairOrder`), through the group's store.
+
 A "tpu" device tensor travels as a device call (:mod:`~tpudist.process_group.device_arrays`): its
 storage's ``jax.Array`` goes into the 2-device program and the receiver's storage takes the
 program's output, with no host copy. Its key carries the element count and dtype (CPU tensors
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,7 +61,7 @@ class DeferredWork(Work):
         return self.source
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Pending:
     """A posted send or recv. ``call``: the device call of a tpu tensor (None for a CPU tensor),
     prepared when posted so that a send carries what its tensor held at the call."""
@@ -68,6 +73,14 @@ class Pending:
     tensor: torch.Tensor
     work: DeferredWork
     call: da.DeviceCall | None
+    index: int = 0  # 1 + how many ops this side posted before it on its channel (sender, receiver, tag)
+    done: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.order[0]},{self.order[1]},{self.order[2]},{self.index}"
 
 
 class PointToPoint:
@@ -101,7 +114,10 @@ class PointToPoint:
         if kind == "send":  # before the transfer can block: an any-source receiver pairs on this
             _announce(group, group.rank(), peer, tag)
         self._seq += 1
-        self._pending.append(Pending((src, dst, tag), self._seq, group, kind, t, work, call))
+        op = Pending((src, dst, tag), self._seq, group, kind, t, work, call)
+        if src is not None:
+            _pair_order(op).add(op)
+        self._pending.append(op)
         return work
 
     def _check_disjoint(self, kind: str, t: torch.Tensor, src: int, dst: int) -> None:
@@ -128,11 +144,14 @@ class PointToPoint:
         """Fails every pending send and recv with ``error`` (abort: none of them will run)."""
         pending, self._pending = self._pending, []
         for p in pending:
+            if p.order[0] is not None:
+                _pair_order(p).drop(p)
             p.work._finish(None, error)  # noqa: SLF001
 
     def flush(self) -> None:
         """Issues the pending sends and recvs: sorted by (sender, receiver, tag), then issue order,
-        so both sides of every pair issue their transfers in one order. A recv from any source
+        so that the pairs of a batch (a ring) are served in one global order; within a pair,
+        :class:`PairOrder` decides which transfer runs next. A recv from any source
         cannot be sorted (its sender is known only once paired): it stays where it was issued, and
         the ops before and after it are sorted on their own."""
         pending, self._pending = self._pending, []
@@ -142,7 +161,7 @@ class PointToPoint:
                 segment.append(op)
                 continue
             for p in sorted(segment, key=lambda p: (p.order, p.seq)):
-                STREAM.submit(p.work, functools.partial(_transfer, p, *p.order[:2]), async_op=True)
+                STREAM.submit(p.work, functools.partial(_run_until_done, p), async_op=True)
             segment = []
             if op is not None:
                 STREAM.submit(op.work, functools.partial(_recv_any, op), async_op=True)
@@ -181,7 +200,9 @@ def _recv_any(op: Pending):
         for peer in peers:  # the lowest group rank with a pending send wins
             if group._store.add(_counter(peer, me, tag), 0) > received.get((peer, tag), 0):  # noqa: SLF001
                 op.work.source = peer
-                return _transfer(op, group.global_ranks[peer], group.global_ranks[me])
+                op.order = (group.global_ranks[peer], group.global_ranks[me], tag)
+                _pair_order(op).add(op)
+                return _run_until_done(op)
         if time.monotonic() > deadline:
             raise CollectiveTimeout(
                 f"{group._describe('recv from any source')}: no rank of the group sent rank {me} a "  # noqa: SLF001
@@ -193,10 +214,6 @@ def _recv_any(op: Pending):
 
 def _transfer(op: Pending, src: int, dst: int):
     group, kind, t, tag = op.group, op.kind, op.tensor, op.order[2]
-    if kind == "recv":  # counted before it runs: the sender's counter already includes it
-        peer = group.global_ranks.index(src)
-        received = _received(group)
-        received[(peer, tag)] = received.get((peer, tag), 0) + 1
     pair = (min(src, dst), max(src, dst))
     try:
         return (_host_transfer if op.call is None else _device_transfer)(op, pair, src, dst)
@@ -218,6 +235,139 @@ def _host_transfer(op: Pending, pair: tuple[int, int], src: int, dst: int):
     if kind == "recv":
         tz.write_raw(t, out.view(np.uint8))
     return [t]
+
+
+# -- the order of a pair's transfers -------------------------------------------------------------------
+
+
+class PairOrder:
+    """Which transfer between two ranks of a group runs next: decided by the pair's lower rank.
+
+    A transfer is a program both sides dispatch, so both must run the pair's transfers in one
+    order. Sorting each side's pending ops is not enough: the sides flush different sets (a
+    pipeline schedule posts a send, then waits for a recv; its peer waits for that recv first and
+    posts its recv of the send only afterwards), and ranks running different transfers get a
+    mismatch or a hang. So the follower (the higher rank) announces every op it posts, per channel
+    (sender, receiver, tag), in the group's store; the leader runs, among its own ops, the first
+    (in flush order) that the follower has posted too, and writes its choice into the store's
+    next slot, which the follower reads and deletes. Ops on one channel match in posting order
+    (c10d's rule), so an op is named by its channel and its index on it.
+    """
+
+    def __init__(self, group: Any, pair: tuple[int, int]):
+        self.group, self.pair = group, pair
+        self.leader = group.global_ranks[group.rank()] == pair[0]
+        self.ops: list[Pending] = []  # posted, not yet run, in posting order
+        self.posted: dict[tuple, int] = {}  # this side's ops per channel
+        self.seen: dict[tuple, int] = {}  # the leader: the follower's ops per channel, as last read
+        self.slot = 0
+        self.lock = threading.Lock()
+
+    def add(self, op: Pending) -> None:
+        """Registers a posted op (its channel known): the caller's thread, before it can run."""
+        with self.lock:
+            op.index = self.posted[op.order] = self.posted.get(op.order, 0) + 1
+            self.ops.append(op)
+        if op.kind == "recv":  # an any-source recv does not pair with a send another recv takes
+            peer, tag = self.group.global_ranks.index(op.order[0]), op.order[2]
+            received = _received(self.group)
+            received[(peer, tag)] = received.get((peer, tag), 0) + 1
+        if not self.leader:
+            self.group._store.add(_posted_key(op.order), 1)  # noqa: SLF001
+
+    def drop(self, op: Pending) -> None:
+        with self.lock:
+            if op in self.ops:
+                self.ops.remove(op)
+
+    def next(self) -> Pending:
+        """The op to run next (this side's), as the leader decides."""
+        store, key = self.group._store, _slot_key(self.pair, self.slot)  # noqa: SLF001
+        self.slot += 1
+        timeout = self.group._timeout  # noqa: SLF001
+        if self.leader:
+            op = self._first_ready(timeout.total_seconds())
+            store.set(key, op.name)
+            return op
+        try:
+            store.wait([key], timeout)
+        except Exception as e:  # noqa: BLE001 - the store's timeout error: name what did not arrive
+            raise _timeout(self.group, f"rank {self.pair[0]} did not choose the next transfer between "
+                                       f"global ranks {list(self.pair)}", timeout) from e
+        name = store.get(key).decode()
+        store.delete_key(key)
+        with self.lock:
+            chosen = [op for op in self.ops if op.name == name]
+        assert len(chosen) == 1, (name, [op.name for op in self.ops])
+        return chosen[0]
+
+    def _first_ready(self, timeout_s: float) -> Pending:
+        deadline, pause = time.monotonic() + timeout_s, _POLL_FIRST_S
+        while True:
+            with self.lock:
+                ops = sorted(self.ops, key=lambda p: (p.order, p.index))
+            for op in ops:
+                if self.seen.get(op.order, 0) < op.index:
+                    self.seen[op.order] = self.group._store.add(_posted_key(op.order), 0)  # noqa: SLF001
+                if self.seen[op.order] >= op.index:
+                    return op
+            if time.monotonic() > deadline:
+                waiting = ", ".join(f"{op.kind} {op.order[0]}->{op.order[1]} (tag {op.order[2]})" for op in ops)
+                raise _timeout(self.group, f"global rank {self.pair[1]} did not post the match of any of "
+                                           f"this rank's {waiting}", self.group._timeout)  # noqa: SLF001
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    def run_until(self, op: Pending) -> Any:
+        """Runs the pair's transfers in the agreed order until ``op`` has run; its result."""
+        while not op.done:
+            try:
+                nxt = self.next()
+            except Exception:
+                self.drop(op)  # failed: it must not pair with a later op of the peer
+                raise
+            try:
+                nxt.result = _transfer(nxt, *nxt.order[:2])
+            except Exception as e:  # noqa: BLE001 - kept for the op's own waiter
+                nxt.error = e
+            nxt.done = True
+            self.drop(nxt)
+        if op.error is not None:
+            raise op.error
+        return op.result
+
+
+_ORDERS: dict[tuple[int, tuple[int, int]], PairOrder] = {}
+_ORDERS_LOCK = threading.Lock()
+
+
+def _pair_order(op: Pending) -> PairOrder:
+    pair = (min(op.order[:2]), max(op.order[:2]))
+    with _ORDERS_LOCK:
+        order = _ORDERS.get((id(op.group), pair))
+        if order is None or order.group is not op.group:
+            order = _ORDERS[(id(op.group), pair)] = PairOrder(op.group, pair)
+        return order
+
+
+def _run_until_done(op: Pending) -> Any:
+    return _pair_order(op).run_until(op)
+
+
+def _posted_key(channel: tuple) -> str:
+    return f"tpudist/p2p/posted/{channel[0]}->{channel[1]}/{channel[2]}"  # global ranks
+
+
+def _slot_key(pair: tuple[int, int], slot: int) -> str:
+    return f"tpudist/p2p/order/{pair[0]}-{pair[1]}/{slot}"
+
+
+def _timeout(group: Any, what: str, timeout: timedelta) -> Exception:
+    from tpudist.process_group.work import CollectiveTimeout
+
+    return CollectiveTimeout(f"{group._describe('send/recv')}: {what} within the group timeout of "  # noqa: SLF001
+                             f"{timeout.total_seconds():.0f}s (a rank that is hung elsewhere, took another "
+                             "branch, or died)")
 
 
 def _on_device(t: torch.Tensor) -> bool:
