@@ -62,6 +62,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None
         UnsupportedGraph: dynamic shapes (names the input dim), inputs on another device, ...
     """
     opts = Options.from_dict(options)
+    _lower_dynamo_prims()
     if mode not in (None, "default"):
         warnings.warn(f"torch.compile(backend='tpu') ignores mode={mode!r}", stacklevel=2)
     check_static(gm, example_inputs)
@@ -71,6 +72,26 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None
         if opts.on_missing_op != "graph_break":
             raise
         return _split(gm, example_inputs, e, opts)
+
+
+@functools.cache
+def _lower_dynamo_prims() -> None:
+    """Lowerings of the ops Dynamo itself writes into graphs from ``torch._inductor.inductor_prims``.
+
+    torch 2.13's Dynamo traces ``addcmul(x, t1, t2, value=v)`` as ``prims.fma(t1 * t2, v, x)`` (every
+    compiled Adam/AdamW step has it). That op is defined by ``torch._inductor.inductor_prims``, which
+    ``tpudist.ops`` cannot name at import without loading Inductor; it joins the table here, as
+    the table's addcmul (``c + a * b``, rounded as torch's CPU addcmul rounds: the eager step it
+    stands for)."""
+    import torch._inductor.inductor_prims  # noqa: F401 - defines torch.ops.prims.fma
+
+    from tpudist.ops import lowering_for, lowers
+
+    addcmul = lowering_for(torch.ops.aten.addcmul.default)
+
+    @lowers(torch.ops.prims.fma.default)
+    def fma(a, b, c):
+        return addcmul(c, a, b)
 
 
 def check_static(gm: torch.fx.GraphModule, example_inputs: list) -> None:

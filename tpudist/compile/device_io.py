@@ -38,7 +38,26 @@ def flat_value(t: torch.Tensor):
     return _core.value_of(t).reshape(-1)
 
 
-def new_tensor(flat, shape, dtype: torch.dtype) -> torch.Tensor:
+def flat_input(t: torch.Tensor, device):
+    """A program input as a flat jax.Array on ``device``: a device tensor's values, or a copy of a
+    CPU tensor's. Graphs on device tensors take CPU ones too, as torch's ops do: an optimizer's
+    ``step`` counts are CPU scalars beside the device parameters, and ``batch.to("tpu")`` inside the
+    compiled function is a CPU input moved in the graph. A copy: the program runs asynchronously,
+    and the CPU tensor may be updated in place (a step count is) before XLA would read it."""
+    if is_device_tensor(t):
+        return flat_value(t)
+    import jax
+    import numpy as np
+
+    from tpudist._hostmem import numpy_view
+
+    return jax.device_put(np.array(numpy_view(t.detach())[0]).reshape(-1), device)
+
+
+def new_tensor(flat, shape, dtype: torch.dtype, host: bool = False) -> torch.Tensor:
+    """A device tensor over ``flat`` (no copy); ``host``: a CPU tensor (an output on the CPU: a step
+    count's new value)."""
     from tpudist.device import _core
 
-    return _core.new_tensor(tuple(shape), dtype, value=flat)
+    out = _core.new_tensor(tuple(shape), dtype, value=flat)
+    return _core.to_cpu(out) if host else out

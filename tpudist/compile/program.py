@@ -134,11 +134,8 @@ class GraphProgram:
                        for i in self._tensor_at]
         self._constants = [(n.target, _fetch_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"]
         self._outputs, self._output_nodes = self._plan_outputs(gm, placeholders)
-        on_device = {device_io.is_device_tensor(example_inputs[i]) for i in self._tensor_at}
-        if len(on_device) > 1:
-            raise UnsupportedGraph(f"{name} graph: inputs mix CPU and 'tpu' device tensors; move them to one "
-                                   "device (model and batch both .to('tpu'), or both on the CPU)")
-        self._on_device = on_device == {True}
+        # Any device tensor makes it a device program; CPU inputs beside them are copied in.
+        self._on_device = any(device_io.is_device_tensor(example_inputs[i]) for i in self._tensor_at)
         if self._on_device and collectives is not None:
             raise UnsupportedGraph(f"{name} graph: collectives on 'tpu' device tensors inside compiled graphs "
                                    "are not supported yet; compile with CPU tensors")
@@ -377,7 +374,7 @@ class GraphProgram:
                 outs = self._collectives.run(self, tensors, keep)  # this rank's blocks: (1, *shape)
             elif self._on_device:
                 outs = self._exe.compiled(self._device_key(), self._consts(),
-                                          *[device_io.flat_value(t) for t in tensors])
+                                          *[device_io.flat_input(t, self._device) for t in tensors])
             else:
                 arrays = boundary.to_jax(tensors, self._avals, self._sharding, self._device, keep)
                 outs = self._computed(self._run(arrays))
@@ -385,8 +382,8 @@ class GraphProgram:
         results = []
         for o in self._outputs:
             if o.kind == "array" and self._on_device:
-                results.append(device_io.new_tensor(outs[o.index], self._output_nodes[o.index].meta["val"].shape,
-                                                    o.dtype))
+                val = self._output_nodes[o.index].meta["val"]
+                results.append(device_io.new_tensor(outs[o.index], val.shape, o.dtype, host=val.device.type == "cpu"))
             elif o.kind == "array" and self._collectives is None:
                 results.append(outs[o.index])
             elif o.kind == "array":
