@@ -133,11 +133,12 @@ def test_recurrent_layer_graph_break_on_device(dev, cls_name):
     assert out["frames"].get("total", 0) <= 3, out  # before: hundreds (the device's kernels and JAX)
 
 
-def run_device_code_is_not_traced() -> list:
+def run_device_code_is_not_traced(mode: str) -> list:
     """Every Python frame Dynamo is asked to convert while a graph break runs device ops eagerly."""
     import tpudist.device  # noqa: F401
     from torch._dynamo import convert_frame
 
+    torch._dynamo.reset()  # noqa: SLF001 - every frame of this case is converted afresh
     seen = []
     original = convert_frame.ConvertFrameAssert.__call__
 
@@ -148,14 +149,17 @@ def run_device_code_is_not_traced() -> list:
     convert_frame.ConvertFrameAssert.__call__ = spy
     try:
         rnn = torch.nn.RNN(4, 4).to("tpu")
-        torch.compile(lambda x: rnn(x)[0].sum() * 2, backend="tpu", dynamic=False)(torch.randn(3, 2, 4, device="tpu"))
+        with torch.tpu.eager_mode(mode):
+            out = torch.compile(lambda x: rnn(x)[0].sum() * 2, backend="tpu", dynamic=False)(torch.randn(3, 2, 4, device="tpu"))
+            out.item()
     finally:
         convert_frame.ConvertFrameAssert.__call__ = original
     return seen
 
 
-def test_device_code_is_never_traced_by_dynamo(dev):
-    files = dev(run_device_code_is_not_traced)
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_device_code_is_never_traced_by_dynamo(dev, mode):
+    files = dev(run_device_code_is_not_traced, mode)
     ours = [f for f in files if "/tpudist/" in f or "/jax/" in f or "/jaxlib/" in f]
     assert files and not ours, files
 

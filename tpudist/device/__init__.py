@@ -51,7 +51,7 @@ def _install() -> None:
     from tpudist.kernels._helion_hook import route_helion_when_imported
 
     route_helion_when_imported()  # plain @helion.kernel calls on tpu tensors: no host round trip
-    from tpudist.device import _opaque
+    from tpudist.device import _fused, _opaque  # noqa: F401 - _fused loaded now (else lazily) to be covered
 
     _opaque.hide_from_dynamo()  # last: every device module is loaded by now
 
