@@ -664,3 +664,152 @@ def test_assertions_raise_as_torch_does_concrete_and_traced(op, failing, passing
 def test_assert_async_rejects_several_elements():
     with pytest.raises(RuntimeError, match="more than one value"):
         run_on_jax(aten._assert_async.default, torch.ones(2))
+
+
+# -- transformer fast paths, embedding bags, margin losses, boolean masks (tpudist/ops/lowerings/nn_extra.py)
+
+def _mha_weights(dim, generator):
+    def r(*shape):
+        return torch.randn(*shape, generator=generator) / math.sqrt(dim)
+    return r(3 * dim, dim), r(3 * dim), r(dim, dim), r(dim)
+
+
+_MASKS = {  # (mask, mask_type) as nn.MultiheadAttention.merge_masks passes them; True / nonzero = masked out
+    "none": lambda b, h, t: (None, None),
+    "float_attn": lambda b, h, t: (torch.triu(torch.full((t, t), -math.inf), 1), 0),
+    "key_padding": lambda b, h, t: (torch.arange(t).expand(b, t) >= torch.tensor([[t], [t - 2]]), 1),
+    "merged_4d": lambda b, h, t: (torch.rand(b, h, t, t, generator=g) > 0.7, 2),
+    "row_fully_masked": lambda b, h, t: (torch.tensor([[True] * t] + [[False] * t] * (t - 1)), 0),  # NaN row
+}
+
+
+@pytest.mark.parametrize("mask", sorted(_MASKS))
+@pytest.mark.parametrize("need_weights,average", [(True, True), (True, False), (False, True)])
+def test_native_multi_head_attention_matches_cpu(mask, need_weights, average):
+    b, t, d, h = 2, 5, 8, 2
+    x = _t(b, t, d)
+    qkv_w, qkv_b, proj_w, proj_b = _mha_weights(d, g)
+    m, mask_type = _MASKS[mask](b, h, t)
+    args = (x, x, x, d, h, qkv_w, qkv_b, proj_w, proj_b, m, need_weights, average, mask_type)
+    out, weights = aten._native_multi_head_attention(*args)
+    got = run_on_jax(aten._native_multi_head_attention.default, *args)
+    assert compare(out, got[0], atol=1e-5) is None
+    if need_weights:
+        assert compare(weights, got[1], atol=1e-6) is None
+    else:  # CPU leaves it undefined; torch's meta kernel (which the device allocates from) says (0,)
+        assert weights is None and tuple(got[1].shape) == (0,)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("use_gelu", [False, True])
+@pytest.mark.parametrize("mask", ["none", "float_attn", "key_padding"])
+def test_transformer_encoder_layer_fwd_matches_cpu(norm_first, use_gelu, mask):
+    b, t, d, h, ff = 2, 5, 8, 2, 12
+    qkv_w, qkv_b, proj_w, proj_b = _mha_weights(d, g)
+    norms = [_t(d, low=0.5, high=1.5), _t(d), _t(d, low=0.5, high=1.5), _t(d)]
+    ffn = [_t(ff, d) / 3, _t(ff), _t(d, ff) / 3, _t(d)]
+    m, mask_type = _MASKS[mask](b, h, t)
+    args = (_t(b, t, d), d, h, qkv_w, qkv_b, proj_w, proj_b, use_gelu, norm_first, 1e-5, *norms, *ffn, m, mask_type)
+    expected = aten._transformer_encoder_layer_fwd(*args)
+    assert compare(expected, run_on_jax(aten._transformer_encoder_layer_fwd.default, *args), atol=1e-5) is None
+
+
+def test_nested_tensor_mask_check_and_the_nested_path_error():
+    x = _t(2, 4, 3)
+    for keep in ([[True, True, False, False], [True, True, True, True]], [[True, False, True, False]] * 2):
+        keep = torch.tensor(keep)
+        assert run_on_jax(aten._nested_tensor_from_mask_left_aligned.default, x, keep, jit=False) == \
+            torch._nested_tensor_from_mask_left_aligned(x, keep)
+    with pytest.raises(NotImplementedError, match="enable_nested_tensor=False"):
+        run_on_jax(aten._nested_tensor_from_mask.default, x, torch.ones(2, 4, dtype=torch.bool), jit=False)
+
+
+# torch 2.13's decomposition of multilabel_margin_loss_forward counts the slots after a row's first -1
+_MULTILABEL_TARGETS = torch.tensor([[3, 0, -1, 1], [0, 1, 2, 3], [-1, 1, 0, 0], [1, 2, -1, 0], [2, -1, 0, 0]])
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_multilabel_margin_loss_forward_and_backward_match_cpu(reduction):
+    x = _t(5, 4)
+    loss, is_target = aten.multilabel_margin_loss_forward(x, _MULTILABEL_TARGETS, reduction)
+    got = run_on_jax(aten.multilabel_margin_loss_forward.default, x, _MULTILABEL_TARGETS, reduction)
+    assert compare([loss, is_target], list(got)) is None
+    grad = torch.rand(loss.shape, generator=g)
+    expected = aten.multilabel_margin_loss_backward(grad, x, _MULTILABEL_TARGETS, reduction, is_target)
+    assert compare(expected, run_on_jax(aten.multilabel_margin_loss_backward.default, grad, x,
+                                        _MULTILABEL_TARGETS, reduction, is_target)) is None
+
+
+@pytest.mark.parametrize("shape,output_size", [((2, 3, 7, 5), (3, 2)), ((3, 6, 6), (4, 4)), ((2, 5, 9, 4), (9, 1)),
+                                               ((1, 2, 5, 4, 7), (2, 3, 3))])
+def test_adaptive_max_pool_values_indices_and_backward_match_cpu(shape, output_size):
+    x = _t(*shape)
+    x.view(-1)[::7] = 2.0  # ties: the first maximum wins, as on the CPU
+    nd = len(output_size)
+    op = aten.adaptive_max_pool2d.default if nd == 2 else aten.adaptive_max_pool3d.default
+    backward = aten.adaptive_max_pool2d_backward.default if nd == 2 else aten.adaptive_max_pool3d_backward.default
+    values, indices = op(x, output_size)
+    assert compare([values, indices], list(run_on_jax(op, x, output_size))) is None
+    grad = _t(*values.shape)
+    assert compare(backward(grad, x, indices), run_on_jax(backward, grad, x, indices)) is None
+
+
+_BAG_INDICES = torch.tensor([1, 2, 4, 5, 4, 3, 2, 0, 6])  # bags [1, 2], [], [4, 5, 4], [3, 2, 0, 6]
+_BAG_OFFSETS = torch.tensor([0, 2, 2, 5])
+
+
+@pytest.mark.parametrize("mode,per_sample", [("sum", False), ("sum", True), ("mean", False), ("max", False)])
+@pytest.mark.parametrize("padding_idx", [None, 2])
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_embedding_bag_and_its_gradients_match_cpu(mode, per_sample, padding_idx, include_last_offset):
+    weight = _t(7, 3).requires_grad_()
+    offsets = torch.cat([_BAG_OFFSETS, torch.tensor([9])]) if include_last_offset else _BAG_OFFSETS
+    psw = _t(9, low=0.1, high=2).requires_grad_() if per_sample else None
+    inputs = [weight] + ([psw] if per_sample else [])
+    grad = _t(4, 3)
+
+    def forward_backward(weight, psw):
+        out = torch.nn.functional.embedding_bag(_BAG_INDICES, weight, offsets, mode=mode, padding_idx=padding_idx,
+                                                per_sample_weights=psw, include_last_offset=include_last_offset)
+        return [out, *torch.autograd.grad(out, [weight] + ([psw] if per_sample else []), grad)]
+
+    assert compare(forward_backward(weight, psw), run_on_jax(forward_backward, weight, psw), atol=1e-5) is None
+
+
+def test_embedding_bag_scale_grad_by_freq_matches_embedding_then_sum():
+    # torch 2.13's CPU embedding_bag backward looks the frequencies up by sorted position, not by index
+    # (index 4, used twice, gets twice the gradient): the reference is F.embedding's, summed per bag
+    weight, grad = _t(7, 3).requires_grad_(), _t(4, 3)
+    bag_of = torch.tensor([0, 0, 2, 2, 2, 3, 3, 3, 3])
+    summed = torch.zeros(4, 3).index_add(0, bag_of, torch.nn.functional.embedding(_BAG_INDICES, weight,
+                                                                                 scale_grad_by_freq=True))
+    expected = torch.autograd.grad(summed, weight, grad)[0]
+
+    def backward(weight):
+        out = torch.nn.functional.embedding_bag(_BAG_INDICES, weight, _BAG_OFFSETS, mode="sum",
+                                                scale_grad_by_freq=True)
+        return torch.autograd.grad(out, weight, grad)[0]
+
+    assert compare(expected, run_on_jax(backward, weight)) is None
+
+
+def test_boolean_mask_ops_inside_jit_raise_jaxs_concretization_error():
+    # the device takes this error as "run the op on concrete values" (eager x[mask], nonzero, masked_select)
+    for op, args in ((aten.masked_select.default, (F, B)), (aten.nonzero.default, (B,)),
+                     (aten.index.Tensor, (F, [B]))):
+        with pytest.raises(jax.errors.ConcretizationTypeError, match="data-dependent shape"):
+            with jax.enable_x64(True):
+                jax.jit(lambda *a, op=op: call(op, *a))(*[to_jax(a) if isinstance(a, torch.Tensor) else
+                                                          [to_jax(i) for i in a] for a in args])
+
+
+@pytest.mark.parametrize("mask_shape", [(3, 4), (3,)])
+def test_index_put_one_value_per_true_element_traces_and_matches_cpu(mask_shape):
+    x, mask = _t(3, 4), _t(*mask_shape, dtype=torch.bool)
+    mask.view(-1)[0] = True
+    values = _t(int(mask.sum()), *x.shape[mask.ndim:])
+    for accumulate in (False,):
+        expected = aten.index_put(x, [mask], values, accumulate)
+        assert compare(expected, run_on_jax(aten.index_put.default, x, [mask], values, accumulate)) is None
+    with pytest.raises(RuntimeError, match="one value per True element"):
+        run_on_jax(aten.index_put.default, x, [mask], _t(int(mask.sum()) + 1, *x.shape[mask.ndim:]), jit=False)
