@@ -325,3 +325,18 @@ def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum
         offset2bag = _bags(indices, offsets, False)[0]
     return embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
                                         scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+@lowers(aten.rrelu_with_noise_functional.default)
+def rrelu_with_noise_functional(x, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
+    """ATen's CPU rule (RReLU): in training each element <= 0 is scaled by a slope drawn from
+    U(lower, upper), which also goes into noise, and the others get slope 1; in eval every negative
+    element is scaled by (lower + upper) / 2 and noise is returned as it came."""
+    from tpudist.ops.rng import next_key
+
+    xf = _f(x)
+    if not training:
+        return jnp.where(xf >= 0, xf, xf * ((lower + upper) / 2)), noise
+    slopes = jax.random.uniform(next_key(), x.shape, xf.dtype, lower, upper)
+    slopes = jnp.where(xf <= 0, slopes, 1)
+    return xf * slopes, slopes.astype(noise.dtype)
