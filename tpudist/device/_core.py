@@ -57,6 +57,8 @@ class Kernel:
     ("write", leaf indices) for the new value of a written argument, ("fresh", None) for an output.
     """
 
+    present = None  # functional ops with None among torch's results: which flattened results are tensors
+
     def __init__(self, op, functional, form, treedef, leaf_specs, slots, plan, n_scalars, random,
                  fresh, returns):
         self.id = next(_ids)
@@ -126,6 +128,8 @@ class Kernel:
             return result
         if self.plan is None:
             fresh = tree_flatten(result)[0]
+            if self.present is not None:  # outputs torch returns as None (a backward's output_mask)
+                fresh = [r for r, keep in zip(fresh, self.present) if keep]
         else:
             fresh = self._write(flats, (result,) if self.single else tuple(result))
         if len(fresh) != len(self.fresh):
@@ -161,6 +165,10 @@ def _weak(x):
 
 def _cast(value, shape, dtype):
     want = tops.to_jax_dtype(dtype)
+    if value is None:
+        # a lowering leaves out a result its output_mask turned off where torch's meta kernel still
+        # promises a tensor (native_batch_norm_backward): autograd drops it, so zeros stand in
+        return jnp.zeros(tuple(shape), want)
     value = jnp.asarray(value)
     if value.dtype != want:
         value = value.astype(want)
@@ -299,15 +307,20 @@ def _build(op, key, leaves):
     else:
         functional, form, plan = op, "functional", None
         flat_meta, meta_def = tree_flatten(meta)
-        if not all(isinstance(m, torch.Tensor) for m in flat_meta):
+        if not all(isinstance(m, torch.Tensor) or m is None for m in flat_meta):
             raise _DataDependent()
-        fresh = [(tuple(m.shape), m.dtype) for m in flat_meta]
+        # None results (convolution_backward's or native_batch_norm_backward's masked-off gradients)
+        # are not outputs of the program: the kernel drops the lowering's value there
+        present = tuple(m is not None for m in flat_meta)
+        fresh = [(tuple(m.shape), m.dtype) for m in flat_meta if m is not None]
         returns = ("single", None) if isinstance(meta, torch.Tensor) else ("fresh", meta_def)
     n_scalars = sum(1 for s in sig if s[0] in ("F", "C"))
     random = torch.Tag.nondeterministic_seeded in functional.tags
     specs = list(sig)
     kernel = Kernel(op, functional, form, treedef, specs, [(n, d) for n, d, _ in slots], plan,
                     n_scalars, random, fresh, returns)
+    if plan is None and meta is not _NO_META and not all(present):
+        kernel.present = present
     kernel.stable_id = hashlib.sha256(repr((str(op), key[1:], _code_of(tops.lowering_for(functional))))
                                       .encode()).hexdigest()[:24]
     # trace once now: a missing lowering or a lowering error is raised here, at the op
@@ -489,6 +502,9 @@ def result_of(kernel, leaves, fresh_tensors):
     if kind == "single":
         return fresh_tensors[0]
     if kind == "fresh":
+        if kernel.present is not None:
+            fresh = iter(fresh_tensors)
+            fresh_tensors = [next(fresh) if keep else None for keep in kernel.present]
         return tree_unflatten(fresh_tensors, info)
     fresh = iter(fresh_tensors)
     values = []
