@@ -813,3 +813,29 @@ def test_index_put_one_value_per_true_element_traces_and_matches_cpu(mask_shape)
         assert compare(expected, run_on_jax(aten.index_put.default, x, [mask], values, accumulate)) is None
     with pytest.raises(RuntimeError, match="one value per True element"):
         run_on_jax(aten.index_put.default, x, [mask], _t(int(mask.sum()) + 1, *x.shape[mask.ndim:]), jit=False)
+
+
+@pytest.mark.parametrize("shape,kernel,output", [((2, 3, 9, 7), (2, 3), (4, 3)), ((3, 10, 8), (3, 2), (5, 5)),
+                                                 ((2, 2, 7, 6, 9), (2, 2, 3), (3, 4, 4)), ((1, 2, 8, 8), (2, 2), (1, 1))])
+def test_fractional_max_pool_from_given_samples_matches_cpu(shape, kernel, output):
+    nd = len(kernel)
+    x = _t(*shape)
+    samples = torch.rand(1 if x.ndim == nd + 1 else shape[0], shape[-nd - 1], nd, generator=g)
+    op = aten.fractional_max_pool2d.default if nd == 2 else aten.fractional_max_pool3d.default
+    backward = aten.fractional_max_pool2d_backward.default if nd == 2 else aten.fractional_max_pool3d_backward.default
+    values, indices = op(x, kernel, output, samples)
+    assert compare([values, indices], list(run_on_jax(op, x, kernel, output, samples))) is None
+    grad = _t(*values.shape)
+    assert compare(backward(grad, x, kernel, output, indices),
+                   run_on_jax(backward, grad, x, kernel, output, indices)) is None
+
+
+def test_rrelu_with_noise_functional_follows_cpus_rule():
+    x, noise = _t(400), torch.zeros(400)
+    y, slopes = run_on_jax(aten.rrelu_with_noise_functional.default, x, noise, 0.1, 0.3, True)
+    negative = x <= 0
+    assert torch.all(slopes[~negative] == 1) and torch.all((slopes[negative] >= 0.1) & (slopes[negative] <= 0.3))
+    assert torch.allclose(y, x * slopes)
+    expected = aten.rrelu_with_noise_functional(x, noise, 0.1, 0.3, False)
+    assert compare(list(expected), list(run_on_jax(aten.rrelu_with_noise_functional.default, x, noise, 0.1, 0.3,
+                                                   False))) is None

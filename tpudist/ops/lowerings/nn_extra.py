@@ -340,3 +340,63 @@ def rrelu_with_noise_functional(x, noise, lower=0.125, upper=1 / 3, training=Fal
     slopes = jax.random.uniform(next_key(), x.shape, xf.dtype, lower, upper)
     slopes = jnp.where(xf <= 0, slopes, 1)
     return xf * slopes, slopes.astype(noise.dtype)
+
+
+# -- fractional max pooling: the window starts come from random_samples, an input, so it is deterministic
+
+def _fractional_starts(sample, size, out, pool):
+    """ATen's generate_intervals (FractionalMaxPool2d.cpp), in the input's float type as there:
+    start i = int((i + u) * alpha) - int(u * alpha), alpha = (size - pool) / (out - 1); the last is size - pool."""
+    i = jnp.arange(out, dtype=sample.dtype)
+    if out > 1:
+        alpha = jnp.asarray(size - pool, sample.dtype) / jnp.asarray(out - 1, sample.dtype)
+        starts = ((i + sample[..., None]) * alpha).astype(jnp.int32) - (sample[..., None] * alpha).astype(jnp.int32)
+    else:
+        starts = jnp.zeros(sample.shape + (out,), jnp.int32)
+    return starts.at[..., out - 1].set(size - pool) if out else starts
+
+
+def _fractional_max(x, kernel_size, output_size, samples):
+    """(values, flat indices into each plane) over the last nd dims; samples (N, C, nd) hold, per plane,
+    the uniform draw of each dim, in the order ATen reads them (2-D: W then H; 3-D: T, H, W)."""
+    nd = len(output_size)
+    planes = x.reshape((-1,) + x.shape[-nd - 1:])  # (N, C, *spatial), unbatched input as N = 1
+    sizes = planes.shape[2:]
+    order = [1, 0] if nd == 2 else [0, 1, 2]
+    s = samples.astype(upcast(to_float(x)).dtype)
+    starts = [_fractional_starts(s[..., order[d]], sizes[d], output_size[d], kernel_size[d]) for d in range(nd)]
+
+    def one_plane(plane, *plane_starts):
+        gathers, flat = [], 0
+        for d in range(nd):
+            window = plane_starts[d][:, None] + jnp.arange(kernel_size[d])[None]  # (out_d, k_d)
+            shape = [1] * (2 * nd)
+            shape[2 * d:2 * d + 2] = window.shape
+            gathers.append(window.reshape(shape))
+            flat = flat * sizes[d] + gathers[-1]
+        per_dim = [2 * d for d in range(nd)] + [2 * d + 1 for d in range(nd)]
+        patches = plane[tuple(gathers)].transpose(per_dim).reshape(tuple(output_size) + (-1,))
+        full = tuple(n for d in range(nd) for n in (output_size[d], kernel_size[d]))
+        flat = jnp.broadcast_to(flat, full).transpose(per_dim).reshape(patches.shape)
+        best = jnp.argmax(patches, axis=-1)[..., None]  # the first maximum, as ATen's strict > scan
+        return (jnp.take_along_axis(patches, best, axis=-1)[..., 0], jnp.take_along_axis(flat, best, axis=-1)[..., 0])
+
+    fn = jax.vmap(jax.vmap(one_plane))
+    values, indices = fn(planes, *starts)
+    lead = x.shape[:-nd]
+    return values.reshape(lead + tuple(output_size)), indices.reshape(lead + tuple(output_size)).astype(jnp.int64)
+
+
+@lowers(aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default)
+def fractional_max_pool(x, kernel_size, output_size, random_samples):
+    return _fractional_max(x, list(kernel_size), list(output_size), random_samples)
+
+
+@lowers(aten.fractional_max_pool2d_backward.default)
+def fractional_max_pool2d_backward(grad, x, kernel_size, output_size, indices):
+    return _scatter_to_planes(grad, x, indices, 2)
+
+
+@lowers(aten.fractional_max_pool3d_backward.default)
+def fractional_max_pool3d_backward(grad, x, kernel_size, output_size, indices):
+    return _scatter_to_planes(grad, x, indices, 3)
