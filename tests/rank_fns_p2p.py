@@ -385,3 +385,38 @@ def pipeline(schedule: str, device: str, mode: str = "strict", per_rank: int = 1
     return {"losses": losses, "grads": grads, "stages": ids,
             "params": {f"{i}.{n}": p.detach().cpu() for i in ids for n, p in blocks[i].named_parameters()},
             "devices": sorted({str(p.device) for p in params})}
+
+
+def mpmd(device: str) -> dict:
+    """Ranks that run different code between collectives, on ``device`` tensors: rank 0 and 1
+    evaluate with an all_reduce on their subgroup (and rank 0 a broadcast on it) while the others
+    go straight on to the next world collective; sends between the ranks of the eval group are
+    interleaved. The results on the CPU."""
+    import tpudist.device  # noqa: F401
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    backend = "gloo" if device == "cpu" else None
+    world = gloo_group() if device == "cpu" else None
+    evals = dist.new_group([0, 1], backend=backend)
+    T = lambda t: t.to(device)  # noqa: E731
+    out = {}
+    for step in range(2):
+        g = T(torch.arange(4.0) * (r + 1) + step)
+        dist.all_reduce(g, group=world)  # every rank: the "gradient" all_reduce
+        out[f"grad{step}"] = g
+        if r in (0, 1):  # only the eval ranks: other ranks are already waiting in the next all_reduce
+            metric = T(torch.tensor([float(r + step), 1.0], dtype=torch.float64))
+            dist.all_reduce(metric, group=evals)
+            x = T(torch.full((3,), 10.0 * r + step))
+            w = dist.isend(x, 1 - r, group=evals) if r == 0 else dist.irecv(x, 0, group=evals)
+            w.wait()
+            flag = T(torch.tensor([step + 7], dtype=torch.int32) if r == 0 else torch.zeros(1, dtype=torch.int32))
+            dist.broadcast(flag, src=0, group=evals)
+            out[f"eval{step}"], out[f"p2p{step}"], out[f"flag{step}"] = metric, x, flag
+        c = T(torch.tensor([float(r)]))
+        dist.all_reduce(c, op=dist.ReduceOp.MAX, group=world)
+        out[f"max{step}"] = c
+    z = T(torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (r + 1))
+    dist.all_reduce(z, group=world)  # c10d hands complex tensors over as view_as_real views
+    out["complex_all_reduce"] = z
+    return {k: v.cpu() for k, v in out.items()}

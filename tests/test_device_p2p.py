@@ -19,6 +19,12 @@ def pool():
         yield pool
 
 
+@pytest.fixture(scope="module")
+def pool4():
+    with RankPool(4, timeout=400) as pool:
+        yield pool
+
+
 def _same_bits(got: torch.Tensor, ref: torch.Tensor) -> bool:
     """Equal dtype, shape and bytes (-0.0 and NaN payloads included)."""
     as_bytes = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
@@ -97,13 +103,34 @@ def test_pipeline_schedule_on_device_equals_gloo(pool, name):
     """torch.distributed.pipelining with the stages' weights on the tpu device: the losses, the last
     step's gradients and the parameters after the SGD steps equal the same schedule's with gloo on
     CPU tensors."""
-    schedule, mode, per_rank = PIPELINES[name]
+    _compare_pipelines(pool, *PIPELINES[name])
+    if name == "gpipe_strict":  # the parameters moved: the comparison is not of two untouched models
+        assert any((v.abs() > 0).any() for v in pool.run(fns.pipeline, "ScheduleGPipe", "cpu")[0]["grads"].values())
+
+
+def test_interleaved_pipeline_on_4_ranks_equals_gloo(pool4):
+    """Each rank in two pairs (stages r and r + 4 of 8; rank 3 sends stage 3 -> 4 back to rank 0)."""
+    _compare_pipelines(pool4, "ScheduleInterleaved1F1B", "strict", 2)
+
+
+def test_ranks_running_different_collectives_on_device_stay_correct(pool4):
+    """MPMD: ranks 0 and 1 evaluate (all_reduce, send/recv, broadcast on their subgroup) between
+    steps while ranks 2 and 3 wait in the next world collective; then a complex all_reduce."""
+    tpu, gloo = pool4.run(fns.mpmd, "tpu"), pool4.run(fns.mpmd, "cpu")
+    for rank, (got, ref) in enumerate(zip(tpu, gloo)):
+        assert set(got) == set(ref) and ("eval1" in ref) == (rank < 2), rank
+        for name, value in ref.items():
+            assert _same_bits(got[name], value), (rank, name, got[name], value)
+    assert gloo[0]["grad1"].tolist() == [4.0, 14.0, 24.0, 34.0] and gloo[1]["p2p1"].tolist() == [1.0] * 3
+
+
+def _compare_pipelines(pool, schedule: str, mode: str, per_rank: int) -> None:
     tpu = pool.run(fns.pipeline, schedule, "tpu", mode, per_rank)
     gloo = pool.run(fns.pipeline, schedule, "cpu", mode, per_rank)
     for rank, (got, ref) in enumerate(zip(tpu, gloo)):
         assert got["devices"] == ["tpu:0"] and ref["devices"] == ["cpu"]
         assert got["stages"] == ref["stages"] and len(got["stages"]) == per_rank
-        holds_last = 2 * per_rank - 1 in ref["stages"]
+        holds_last = pool.world_size * per_rank - 1 in ref["stages"]
         assert len(ref["losses"]) == (fns.MICROBATCHES * fns.PIPE_STEPS if holds_last else 0)
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6), rank
         for what in ("grads", "params"):
@@ -111,5 +138,3 @@ def test_pipeline_schedule_on_device_equals_gloo(pool, name):
             for key, value in ref[what].items():
                 torch.testing.assert_close(got[what][key], value, rtol=1e-5, atol=1e-6,
                                            msg=lambda m, key=key: f"rank {rank} {what} {key}: {m}")
-    if name == "gpipe_strict":  # the parameters moved: the comparison is not of two untouched models
-        assert any((v.abs() > 0).any() for v in gloo[0]["grads"].values())

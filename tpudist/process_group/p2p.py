@@ -280,61 +280,44 @@ class PairOrder:
             if op in self.ops:
                 self.ops.remove(op)
 
-    def next(self) -> Pending:
-        """The op to run next (this side's), as the leader decides."""
+    def try_next(self) -> Pending | None:
+        """The op to run next on this pair, as the leader decided; None if nothing is decided yet
+        (never blocks: a rank waiting on one pair must still serve its other pairs)."""
         store, key = self.group._store, _slot_key(self.pair, self.slot)  # noqa: SLF001
-        self.slot += 1
-        timeout = self.group._timeout  # noqa: SLF001
         if self.leader:
-            op = self._first_ready(timeout.total_seconds())
-            store.set(key, op.name)
-            return op
-        try:
-            store.wait([key], timeout)
-        except Exception as e:  # noqa: BLE001 - the store's timeout error: name what did not arrive
-            raise _timeout(self.group, f"rank {self.pair[0]} did not choose the next transfer between "
-                                       f"global ranks {list(self.pair)}", timeout) from e
-        name = store.get(key).decode()
-        store.delete_key(key)
-        with self.lock:
-            chosen = [op for op in self.ops if op.name == name]
-        assert len(chosen) == 1, (name, [op.name for op in self.ops])
-        return chosen[0]
-
-    def _first_ready(self, timeout_s: float) -> Pending:
-        deadline, pause = time.monotonic() + timeout_s, _POLL_FIRST_S
-        while True:
+            op = self._first_ready()
+            if op is not None:
+                store.set(key, op.name)
+        elif store.check([key]):
+            name = store.get(key).decode()
+            store.delete_key(key)
             with self.lock:
-                ops = sorted(self.ops, key=lambda p: (p.order, p.index))
-            for op in ops:
-                if self.seen.get(op.order, 0) < op.index:
-                    self.seen[op.order] = self.group._store.add(_posted_key(op.order), 0)  # noqa: SLF001
-                if self.seen[op.order] >= op.index:
-                    return op
-            if time.monotonic() > deadline:
-                waiting = ", ".join(f"{op.kind} {op.order[0]}->{op.order[1]} (tag {op.order[2]})" for op in ops)
-                raise _timeout(self.group, f"global rank {self.pair[1]} did not post the match of any of "
-                                           f"this rank's {waiting}", self.group._timeout)  # noqa: SLF001
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX_S)
+                chosen = [op for op in self.ops if op.name == name]
+            assert len(chosen) == 1, (name, [op.name for op in self.ops])
+            op = chosen[0]
+        else:
+            return None
+        if op is not None:
+            self.slot += 1
+        return op
 
-    def run_until(self, op: Pending) -> Any:
-        """Runs the pair's transfers in the agreed order until ``op`` has run; its result."""
-        while not op.done:
-            try:
-                nxt = self.next()
-            except Exception:
-                self.drop(op)  # failed: it must not pair with a later op of the peer
-                raise
-            try:
-                nxt.result = _transfer(nxt, *nxt.order[:2])
-            except Exception as e:  # noqa: BLE001 - kept for the op's own waiter
-                nxt.error = e
-            nxt.done = True
-            self.drop(nxt)
-        if op.error is not None:
-            raise op.error
-        return op.result
+    def _first_ready(self) -> Pending | None:
+        with self.lock:
+            ops = sorted(self.ops, key=lambda p: (p.order, p.index))
+        for op in ops:
+            if self.seen.get(op.order, 0) < op.index:
+                self.seen[op.order] = self.group._store.add(_posted_key(op.order), 0)  # noqa: SLF001
+            if self.seen[op.order] >= op.index:
+                return op
+        return None
+
+    def run(self, op: Pending) -> None:
+        try:
+            op.result = _transfer(op, *op.order[:2])
+        except Exception as e:  # noqa: BLE001 - kept for the op's own waiter
+            op.error = e
+        op.done = True
+        self.drop(op)
 
 
 _ORDERS: dict[tuple[int, tuple[int, int]], PairOrder] = {}
@@ -351,7 +334,33 @@ def _pair_order(op: Pending) -> PairOrder:
 
 
 def _run_until_done(op: Pending) -> Any:
-    return _pair_order(op).run_until(op)
+    """Runs decided transfers of every pair this rank is in until ``op`` has run (the comm stream's
+    thread only). Serving every pair, not only ``op``'s, is what keeps ranks in several pairs (a
+    pipeline of 4) from waiting on each other in a cycle: a rank blocks inside a transfer only as
+    a leader that decided it, waiting for a higher rank, so the waits only ever go up in rank."""
+    timeout = op.group._timeout  # noqa: SLF001
+    deadline, pause = time.monotonic() + timeout.total_seconds(), _POLL_FIRST_S
+    while not op.done:
+        with _ORDERS_LOCK:
+            orders = [o for o in _ORDERS.values() if o.ops]
+        ran = False
+        for order in orders:
+            nxt = order.try_next()
+            if nxt is not None:
+                order.run(nxt)
+                ran = True
+        if ran:
+            pause = _POLL_FIRST_S
+            continue
+        if time.monotonic() > deadline:
+            _pair_order(op).drop(op)  # failed: it must not pair with a later op of the peer
+            raise _timeout(op.group, f"{op.kind} {op.order[0]}->{op.order[1]} (tag {op.order[2]}) found "
+                                     "no matching op on its peer", timeout)
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX_S)
+    if op.error is not None:
+        raise op.error
+    return op.result
 
 
 def _posted_key(channel: tuple) -> str:
