@@ -308,3 +308,24 @@ def test_cpu_batch_moved_inside_a_compiled_device_step(dev):
     out = dev(run_cpu_batch_moved_in_the_graph)
     assert out["device"].startswith("tpu") and abs(out["got"] - out["want"]) <= 1e-5 * abs(out["want"]), out
     assert out["grad_err"] <= 1e-5, out
+
+
+def run_device_results_from_cpu_inputs() -> dict:
+    """Graphs whose inputs are all CPU tensors but whose results live on the device."""
+    import tpudist.device  # noqa: F401
+
+    x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    moved = torch.compile(lambda x: (x.to("tpu") * 2).square().sum(), backend="tpu", dynamic=False)(x)
+    moved.backward()
+    made = torch.compile(lambda x: torch.ones(3, device="tpu") * x.sum().to("tpu"), backend="tpu",
+                         dynamic=False)(torch.tensor([1.0, 2.0]))
+    return {"moved": (str(moved.device), moved.item()), "grad": (str(x.grad.device), x.grad.tolist()),
+            "made": (str(made.device), made.cpu().tolist())}
+
+
+def test_device_results_of_a_graph_with_cpu_inputs_stay_on_the_device(dev):
+    out = dev(run_device_results_from_cpu_inputs)
+    x = torch.tensor([1.0, -2.0, 3.0])
+    assert out["moved"] == ("tpu:0", (x * 2).square().sum().item()), out
+    assert out["grad"] == ("cpu", (8 * x).tolist()), out
+    assert out["made"] == ("tpu:0", [3.0, 3.0, 3.0]), out

@@ -134,8 +134,11 @@ class GraphProgram:
                        for i in self._tensor_at]
         self._constants = [(n.target, _fetch_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"]
         self._outputs, self._output_nodes = self._plan_outputs(gm, placeholders)
-        # Any device tensor makes it a device program; CPU inputs beside them are copied in.
-        self._on_device = any(device_io.is_device_tensor(example_inputs[i]) for i in self._tensor_at)
+        # A device tensor in or out makes it a device program (a graph may move a CPU input with
+        # .to("tpu") or make a device tensor from nothing); CPU inputs are then copied in, and each
+        # output comes back on the device its node records.
+        self._on_device = (any(device_io.is_device_tensor(example_inputs[i]) for i in self._tensor_at)
+                           or any(device_io.is_device_tensor(n.meta["val"]) for n in self._output_nodes))
         if self._on_device and collectives is not None:
             raise UnsupportedGraph(f"{name} graph: collectives on 'tpu' device tensors inside compiled graphs "
                                    "are not supported yet; compile with CPU tensors")
