@@ -235,6 +235,18 @@ def run_batch_norm(mode):
     return results
 
 
+class _IndexRows(torch.nn.Module):
+    """w[int tensor] with repeated rows: its backward is _index_put_impl_ with accumulate."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 3))
+
+    def forward(self, x):
+        rows = torch.tensor([0, 2, 2, 5], device=x.device)
+        return self.w[rows] * x
+
+
 def run_masked_backward(mode):
     """Backwards whose output_mask turns a gradient off: the first layer's input needs no gradient.
 
@@ -247,7 +259,8 @@ def run_masked_backward(mode):
     out = {}
     with torch.tpu.eager_mode(mode):
         for name, make, shape in (("batch_norm_first", lambda: nn.Sequential(nn.BatchNorm1d(5), nn.Linear(5, 3)), (8, 5)),
-                                  ("conv_first", lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), (2, 3, 6, 6))):
+                                  ("conv_first", lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), (2, 3, 6, 6)),
+                                  ("index_rows", _IndexRows, (4, 3))):
             torch.manual_seed(0)
             cpu = make()
             tpu = copy.deepcopy(cpu).to("tpu")
@@ -589,7 +602,8 @@ def test_batch_norm_running_stats_match_cpu(dev, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_backward_with_masked_gradients_runs_as_programs(dev, mode):
     # convolution_backward returns None for an input that needs no gradient (it ran op by op outside
-    # any program before); native_batch_norm_backward's lowering leaves it out (it raised before)
+    # any program before); native_batch_norm_backward's lowering leaves it out (it raised before);
+    # indexing's backward writes with _index_put_impl_ (no lowering before)
     for name, (diff, concrete) in dev(run_masked_backward, mode).items():
         assert diff <= 1e-4, (name, diff)  # a conv weight gradient sums 100s of products: 3e-5 seen
         assert concrete == 0, (name, f"{concrete} ops ran concretely")

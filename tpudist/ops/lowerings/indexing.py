@@ -75,6 +75,13 @@ def index_put(x, indices, values, accumulate=False):
     return x.at[index].add(values) if accumulate else x.at[index].set(values)
 
 
+@lowers(aten._index_put_impl.default)
+def index_put_impl(x, indices, values, accumulate=False, unsafe=False):
+    # what autograd's backward of x[index] writes with (index_put_ with accumulate): unsafe only skips
+    # torch's own bounds checks, which Debug mode makes for every index
+    return index_put(x, indices, values, accumulate)
+
+
 @lowers(aten.index_select.default)
 def index_select(x, dim, index):
     if x.ndim == 0:
