@@ -840,3 +840,24 @@ def test_rrelu_with_noise_functional_follows_cpus_rule():
     expected = aten.rrelu_with_noise_functional(x, noise, 0.1, 0.3, False)
     assert compare(list(expected), list(run_on_jax(aten.rrelu_with_noise_functional.default, x, noise, 0.1, 0.3,
                                                    False))) is None
+
+
+@pytest.mark.parametrize("padded_targets,overload,zero_infinity", [
+    (True, "default", False), (False, "default", True), (True, "Tensor", True), (False, "Tensor", False)])
+def test_ctc_loss_and_atens_gradient_match_cpu(padded_targets, overload, zero_infinity):
+    steps, batch, classes = 7, 3, 5
+    log_probs = torch.log_softmax(_t(steps, batch, classes), -1)
+    # sample 1 cannot align 4 labels with a repeat in 3 steps: an infinite loss
+    input_lengths, target_lengths = torch.tensor([7, 3, 6]), torch.tensor([4, 4, 2])
+    targets = torch.tensor([[1, 2, 2, 4], [1, 1, 2, 2], [3, 1, 0, 0]])
+    if not padded_targets:
+        targets = torch.cat([row[:n] for row, n in zip(targets, target_lengths)])
+    lengths = (input_lengths, target_lengths) if overload == "Tensor" else (input_lengths.tolist(),
+                                                                              target_lengths.tolist())
+    forward, backward = getattr(aten._ctc_loss, overload), getattr(aten._ctc_loss_backward, overload)
+    nll, log_alpha = forward(log_probs, targets, *lengths, 0, zero_infinity)
+    assert compare(nll, run_on_jax(forward, log_probs, targets, *lengths, 0, zero_infinity)[0], atol=1e-5) is None
+    grad = _t(batch, low=0.1, high=1)
+    expected = backward(grad, log_probs, targets, *lengths, nll, log_alpha, 0, zero_infinity)
+    got = run_on_jax(backward, grad, log_probs, targets, *lengths, nll, log_alpha, 0, zero_infinity)
+    assert compare(expected, got, atol=1e-5) is None

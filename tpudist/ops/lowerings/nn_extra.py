@@ -363,7 +363,7 @@ def _fractional_max(x, kernel_size, output_size, samples):
     planes = x.reshape((-1,) + x.shape[-nd - 1:])  # (N, C, *spatial), unbatched input as N = 1
     sizes = planes.shape[2:]
     order = [1, 0] if nd == 2 else [0, 1, 2]
-    s = samples.astype(upcast(to_float(x)).dtype)
+    s = samples[:planes.shape[0]].astype(upcast(to_float(x)).dtype)  # ATen reads rows 0..N-1 only
     starts = [_fractional_starts(s[..., order[d]], sizes[d], output_size[d], kernel_size[d]) for d in range(nd)]
 
     def one_plane(plane, *plane_starts):
@@ -400,3 +400,99 @@ def fractional_max_pool2d_backward(grad, x, kernel_size, output_size, indices):
 @lowers(aten.fractional_max_pool3d_backward.default)
 def fractional_max_pool3d_backward(grad, x, kernel_size, output_size, indices):
     return _scatter_to_planes(grad, x, indices, 3)
+
+
+# -- CTC loss ---------------------------------------------------------------------------------------
+
+def _ctc_labels(targets, target_lengths, batch, max_len, blank):
+    """(N, 2 * max_len + 1) extended labels blank, t1, blank, t2, ..., blank; targets are (N, S) padded
+    or the 1-D concatenation of each sample's targets."""
+    s = jnp.arange(max_len)
+    if targets.ndim == 1:
+        starts = jnp.cumsum(target_lengths) - target_lengths
+        labels = targets[jnp.clip(starts[:, None] + s[None], 0, max(targets.shape[0] - 1, 0))] \
+            if targets.shape[0] else jnp.zeros((batch, max_len), jnp.int64)
+    else:
+        labels = targets[:, :max_len]
+    labels = jnp.where(s[None] < target_lengths[:, None], labels, blank)
+    extended = jnp.full((batch, 2 * max_len + 1), blank, labels.dtype)
+    return extended.at[:, 1::2].set(labels)
+
+
+def _logsumexp(*terms):
+    """log(sum(exp(terms))) elementwise whose gradient is 0, not NaN, where every term is -inf."""
+    top = terms[0]
+    for t in terms[1:]:
+        top = jnp.maximum(top, t)
+    finite = jnp.isfinite(top)
+    shift = jnp.where(finite, top, 0.0)
+    total = sum(jnp.exp(t - shift) for t in terms)
+    return jnp.where(finite, shift + jnp.log(jnp.where(finite, total, 1.0)), -jnp.inf)
+
+
+def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):
+    """(negative log likelihood (N,), log_alpha (N, T, 2S+1)) by the alpha recursion of Graves et al.
+    (2006), in log space; a time step past a sample's input length leaves its alphas as they were."""
+    lp = upcast(log_probs)
+    if lp.ndim == 2:  # unbatched (T, C)
+        lp = lp[:, None]
+    steps, batch = lp.shape[0], lp.shape[1]
+    if targets.ndim == 2:
+        max_len = targets.shape[1]
+    elif isinstance(target_lengths, jax.core.Tracer):
+        max_len = targets.shape[0]  # traced lengths: the widest a sample's targets can be
+    else:  # int[] lengths (the .default overload) or a concrete tensor: as torch's meta kernel
+        max_len = int(np.max(np.asarray(target_lengths), initial=0))
+    input_lengths = jnp.asarray(input_lengths).reshape(batch)
+    target_lengths = jnp.asarray(target_lengths).reshape(batch)
+    labels = _ctc_labels(targets, target_lengths, batch, max_len, blank)  # (N, L)
+    width = labels.shape[1]
+    s = jnp.arange(width)
+    skip = (s >= 2) & (labels != blank) & (labels != jnp.roll(labels, 2, axis=1))  # may come from s - 2
+    emit = jnp.take_along_axis(lp, jnp.broadcast_to(labels[None], (steps, batch, width)), axis=2)  # (T, N, L)
+    first = jnp.where(s[None] < jnp.minimum(2, 2 * target_lengths[:, None] + 1), emit[0], -jnp.inf)
+
+    def step(alpha, t):
+        prev1 = jnp.concatenate([jnp.full((batch, 1), -jnp.inf), alpha[:, :-1]], axis=1)
+        prev2 = jnp.concatenate([jnp.full((batch, 2), -jnp.inf), alpha[:, :-2]], axis=1)
+        total = _logsumexp(alpha, prev1, jnp.where(skip, prev2, -jnp.inf)) + emit[t]
+        alpha = jnp.where((t < input_lengths)[:, None], total, alpha)
+        return alpha, alpha
+
+    last, rest = jax.lax.scan(step, first, jnp.arange(1, steps))
+    log_alpha = jnp.concatenate([first[None], rest], axis=0).transpose(1, 0, 2)  # (N, T, L)
+    end = 2 * target_lengths
+    final = _logsumexp(jnp.take_along_axis(last, end[:, None], axis=1)[:, 0],
+                          jnp.where(end > 0, jnp.take_along_axis(last, jnp.maximum(end - 1, 0)[:, None],
+                                                                  axis=1)[:, 0], -jnp.inf))
+    return -final, log_alpha
+
+
+@lowers(aten._ctc_loss.default, aten._ctc_loss.Tensor)
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    # zero_infinity only matters in the backward here: ATen's _ctc_loss returns inf, ctc_loss zeroes it
+    nll, log_alpha = _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank)
+    return nll.reshape(() if log_probs.ndim == 2 else nll.shape), log_alpha
+
+
+@lowers(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
+def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha,
+                      blank, zero_infinity=False):
+    """ATen's CTC gradient, which is not d nll / d log_probs: it is exp(log_probs) * grad minus the
+    label posteriors, the gradient with respect to the logits when log_probs came from log_softmax
+    (ctc_loss_backward_cpu_template); zero past each input length and, with zero_infinity, for
+    infinite losses."""
+    lp = upcast(log_probs)
+    nll, pullback = jax.vjp(lambda v: _ctc_forward(v, targets, input_lengths, target_lengths, blank)[0], lp)
+    g = upcast(grad).reshape(nll.shape)
+    if zero_infinity:
+        g = jnp.where(jnp.isinf(nll), 0.0, g)
+    posterior_part = pullback(g)[0]
+    batched = (lp if lp.ndim == 3 else lp[:, None])
+    gb = g.reshape(1, -1, 1)
+    out = jnp.exp(batched) * gb + posterior_part.reshape(batched.shape)
+    if not zero_infinity:  # an impossible alignment: ATen's formula gives exp(... + inf) terms, NaN
+        out = jnp.where(jnp.isinf(nll).reshape(1, -1, 1), jnp.nan, out)
+    steps = jnp.arange(batched.shape[0])[:, None, None]
+    out = jnp.where(steps < jnp.asarray(input_lengths).reshape(1, -1, 1), out, 0.0)
+    return out.reshape(lp.shape)
