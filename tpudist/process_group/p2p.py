@@ -320,6 +320,9 @@ class PairOrder:
         self.drop(op)
 
 
+# Waiting for a pair's next transfer: a short first pause (a ping-pong's peer posts within ~0.1 ms),
+# then at most 2 ms (a pipeline's transfers are milliseconds apart).
+_ORDER_POLL_FIRST_S, _ORDER_POLL_MAX_S = 0.00005, 0.002
 _ORDERS: dict[tuple[int, tuple[int, int]], PairOrder] = {}
 _ORDERS_LOCK = threading.Lock()
 
@@ -339,7 +342,7 @@ def _run_until_done(op: Pending) -> Any:
     pipeline of 4) from waiting on each other in a cycle: a rank blocks inside a transfer only as
     a leader that decided it, waiting for a higher rank, so the waits only ever go up in rank."""
     timeout = op.group._timeout  # noqa: SLF001
-    deadline, pause = time.monotonic() + timeout.total_seconds(), _POLL_FIRST_S
+    deadline, pause = time.monotonic() + timeout.total_seconds(), _ORDER_POLL_FIRST_S
     while not op.done:
         with _ORDERS_LOCK:
             orders = [o for o in _ORDERS.values() if o.ops]
@@ -350,14 +353,14 @@ def _run_until_done(op: Pending) -> Any:
                 order.run(nxt)
                 ran = True
         if ran:
-            pause = _POLL_FIRST_S
+            pause = _ORDER_POLL_FIRST_S
             continue
         if time.monotonic() > deadline:
             _pair_order(op).drop(op)  # failed: it must not pair with a later op of the peer
             raise _timeout(op.group, f"{op.kind} {op.order[0]}->{op.order[1]} (tag {op.order[2]}) found "
                                      "no matching op on its peer", timeout)
         time.sleep(pause)
-        pause = min(pause * 2, _POLL_MAX_S)
+        pause = min(pause * 2, _ORDER_POLL_MAX_S)
     if op.error is not None:
         raise op.error
     return op.result

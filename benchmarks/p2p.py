@@ -1,0 +1,88 @@
+"""Point to point on "tpu" device tensors vs gloo on CPU tensors: latency and bandwidth. Measured, not asserted.
+
+    python benchmarks/p2p.py [--rounds 3] [--max-mib 16]
+
+Two ranks play ping-pong: rank 0 sends a message, rank 1 receives it and sends it back. One way =
+round trip / 2; bandwidth = message bytes / one way. Three transports in the same ranks, interleaved
+round by round (the machine is shared, so its load moves): "tpu dev" (tpu device tensors over the
+"tpu" group: a 2-device permute program, no host copy), "tpu cpu" (CPU tensors over the "tpu" group)
+and "gloo" (CPU tensors over torch's gloo). Each figure is the median over rounds; the ratio is
+tpu dev / gloo time (below 1: faster than gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SIZES = (4, 64, 1024, 16 * 1024, 256 * 1024, 2**20, 4 * 2**20, 16 * 2**20)  # bytes
+
+
+def _reps(nbytes: int) -> int:
+    return 20 if nbytes <= 64 * 1024 else 8 if nbytes <= 2**20 else 3
+
+
+def _ping_pong(x: torch.Tensor, group, reps: int) -> float:
+    """Seconds per one-way message, over ``reps`` round trips."""
+    r = dist.get_rank()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        if r == 0:
+            dist.send(x, 1, group=group)
+            dist.recv(x, 1, group=group)
+        else:
+            dist.recv(x, 0, group=group)
+            dist.send(x, 0, group=group)
+    if x.device.type == "tpu":
+        x[:1].cpu()  # the last recv has landed (device programs run asynchronously)
+    return (time.perf_counter() - t0) / (2 * reps)
+
+
+def rank_main(rounds: int, max_bytes: int) -> dict:
+    import tpudist.device  # noqa: F401
+
+    gloo = dist.new_group(backend="gloo")
+    transports = (("tpu dev", None, "tpu"), ("tpu cpu", None, "cpu"), ("gloo", gloo, "cpu"))
+    sizes = [s for s in SIZES if s <= max_bytes]
+    times: dict = {}
+    for nbytes in sizes:
+        tensors = {name: torch.ones(max(1, nbytes // 4)).to(device) for name, _, device in transports}
+        for name, group, _ in transports:  # warm up: compiles the programs of this size
+            _ping_pong(tensors[name], group, 1)
+        for _ in range(rounds):
+            for name, group, _ in transports:
+                dist.barrier(group=gloo)
+                times.setdefault((name, nbytes), []).append(_ping_pong(tensors[name], group, _reps(nbytes)))
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-mib", type=float, default=16)
+    args = parser.parse_args(argv)
+    from tpudist.testing import RankPool
+
+    import p2p as this  # rank processes import by module name
+
+    with RankPool(2, backend="tpu", timeout=1800) as pool:
+        res = pool.run(this.rank_main, args.rounds, int(args.max_mib * 2**20))[0]
+    print(f"{'bytes':>9} | {'tpu dev us':>10} {'MB/s':>8} | {'tpu cpu us':>10} {'MB/s':>8} | "
+          f"{'gloo us':>9} {'MB/s':>8} | dev/gloo cpu/gloo")
+    for nbytes in sorted({n for _, n in res}):
+        dev, cpu, ref = (res[(name, nbytes)] for name in ("tpu dev", "tpu cpu", "gloo"))
+        print(f"{nbytes:>9} | {dev * 1e6:>10.0f} {nbytes / dev / 1e6:>8.1f} | {cpu * 1e6:>10.0f} "
+              f"{nbytes / cpu / 1e6:>8.1f} | {ref * 1e6:>9.0f} {nbytes / ref / 1e6:>8.1f} | "
+              f"{dev / ref:>8.2f} {cpu / ref:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
