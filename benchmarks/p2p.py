@@ -1,6 +1,6 @@
 """Point to point on "tpu" device tensors vs gloo on CPU tensors: latency and bandwidth. Measured, not asserted.
 
-    python benchmarks/p2p.py [--rounds 3] [--max-mib 16]
+    python benchmarks/p2p.py [--rounds 3] [--max-mib 16] [--pipeline]
 
 Two ranks play ping-pong: rank 0 sends a message, rank 1 receives it and sends it back. One way =
 round trip / 2; bandwidth = message bytes / one way. Three transports in the same ranks, interleaved
@@ -8,6 +8,10 @@ round by round (the machine is shared, so its load moves): "tpu dev" (tpu device
 "tpu" group: a 2-device permute program, no host copy), "tpu cpu" (CPU tensors over the "tpu" group)
 and "gloo" (CPU tensors over torch's gloo). Each figure is the median over rounds; the ratio is
 tpu dev / gloo time (below 1: faster than gloo).
+
+``--pipeline``: the step time of torch.distributed.pipelining schedules (GPipe, 1F1B) over a stack
+of Linear+Tanh blocks, one stage per rank, stage weights on the tpu device (Strict and Fused) vs
+CPU tensors over gloo, interleaved round by round; the ratio is tpu / gloo.
 """
 
 from __future__ import annotations
@@ -64,14 +68,67 @@ def rank_main(rounds: int, max_bytes: int) -> dict:
     return {key: statistics.median(v) for key, v in times.items()}
 
 
+def pipeline_main(rounds: int, width: int = 256, batch: int = 32, microbatches: int = 8,
+                  steps: int = 3) -> dict:
+    """Seconds per schedule step (median over rounds), per (schedule, transport)."""
+    import contextlib
+
+    import tpudist.device  # noqa: F401
+    from torch.distributed import pipelining
+
+    r, world = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    runs = {}
+    for schedule in ("ScheduleGPipe", "Schedule1F1B"):
+        for name, device, mode, group in (("tpu strict", "tpu", "strict", None), ("tpu fused", "tpu", "fused", None),
+                                          ("gloo", "cpu", None, gloo)):
+            torch.manual_seed(0)
+            block = torch.nn.Sequential(*[torch.nn.Linear(width, width), torch.nn.Tanh()] * 2).to(device)
+            stage = pipelining.PipelineStage(block, r, world, torch.device(device), group=group)
+            sched = getattr(pipelining, schedule)(stage, n_microbatches=microbatches,
+                                                  loss_fn=torch.nn.functional.mse_loss)
+            x, y = torch.randn(batch, width).to(device), torch.randn(batch, width).to(device)
+            runs[(schedule, name)] = (sched, x, y, mode)
+    times: dict = {}
+
+    def step(sched, x, y, mode):
+        scope = torch.tpu.eager_mode(mode) if mode else contextlib.nullcontext()
+        with scope:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                sched.step(*((x,) if r == 0 else ()), **({"target": y} if r == world - 1 else {}))
+            if x.device.type == "tpu":
+                torch.tpu.synchronize()
+            return (time.perf_counter() - t0) / steps
+
+    for args in runs.values():  # warm up: compiles
+        step(*args)
+    for _ in range(rounds):
+        for key, args in runs.items():
+            dist.barrier(group=gloo)
+            times.setdefault(key, []).append(step(*args))
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-mib", type=float, default=16)
+    parser.add_argument("--pipeline", action="store_true", help="pipeline schedule step times instead")
     args = parser.parse_args(argv)
     from tpudist.testing import RankPool
 
     import p2p as this  # rank processes import by module name
+
+    if args.pipeline:
+        with RankPool(2, backend="tpu", timeout=1800) as pool:
+            res = pool.run(this.pipeline_main, args.rounds)[0]
+        for schedule in ("ScheduleGPipe", "Schedule1F1B"):
+            ref = res[(schedule, "gloo")]
+            print(f"{schedule:>14}: gloo {ref * 1e3:.1f} ms/step; " + ", ".join(
+                f"{name} {res[(schedule, name)] * 1e3:.1f} ms ({res[(schedule, name)] / ref:.2f}x)"
+                for name in ("tpu strict", "tpu fused")))
+        return
 
     with RankPool(2, backend="tpu", timeout=1800) as pool:
         res = pool.run(this.rank_main, args.rounds, int(args.max_mib * 2**20))[0]

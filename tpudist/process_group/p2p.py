@@ -84,11 +84,11 @@ class Pending:
 
 
 class PointToPoint:
-    """Pending sends and recvs of this process, issued in one global order.
+    """Pending sends and recvs of this process, issued when waited on or before the next collective.
 
     XLA has no eager send: a transfer is a 2-device ``ppermute`` that both sides must dispatch. The
-    sides agree on the order without talking by sorting by (sender, receiver, tag), then issue
-    order; ``batch_isend_irecv`` with sends both ways between two ranks therefore cannot deadlock.
+    order of each pair's transfers is agreed at run time (:class:`PairOrder`); ``batch_isend_irecv``
+    with sends both ways between two ranks therefore cannot deadlock.
     """
 
     def __init__(self) -> None:
