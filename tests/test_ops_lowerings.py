@@ -509,6 +509,7 @@ def run_all_cases():
     test_batch_norm_lowerings_match_cpu()
     for op, failing, passing, message in _ASSERT_CASES:
         test_assertions_raise_as_torch_does_concrete_and_traced(op, failing, passing, message)
+    _run_nn_extra_cases()
 
 
 # -- a Llama-style training step ------------------------------------------------------------------
@@ -861,3 +862,51 @@ def test_ctc_loss_and_atens_gradient_match_cpu(padded_targets, overload, zero_in
     expected = backward(grad, log_probs, targets, *lengths, nll, log_alpha, 0, zero_infinity)
     got = run_on_jax(backward, grad, log_probs, targets, *lengths, nll, log_alpha, 0, zero_infinity)
     assert compare(expected, got, atol=1e-5) is None
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_embedding_bag_forward_only_and_dense_backward_match_cpu(mode):
+    weight, grad = _t(7, 3), _t(4, 3)
+    args = (weight, _BAG_INDICES, _BAG_OFFSETS, False, mode, False, None, False, 2)
+    out, offset2bag, bag_size, max_indices = aten._embedding_bag_forward_only(*args)
+    assert compare(out, run_on_jax(aten._embedding_bag_forward_only.default, *args)[0]) is None
+    dense = (grad, _BAG_INDICES, offset2bag, bag_size, max_indices, 7, False, mode, None, 2)
+    assert compare(aten._embedding_bag_dense_backward(*dense),
+                   run_on_jax(aten._embedding_bag_dense_backward.default, *dense)) is None
+
+
+def test_shrink_margin_and_max_pool3d_backwards_match_cpu():
+    x = _t(4, 6)
+    x[0, :2] = torch.tensor([0.5, -0.5])  # |x| == lambd: no gradient, as on the CPU
+    grad = _t(4, 6)
+    for op in (aten.hardshrink_backward.default, aten.softshrink_backward.default):
+        assert compare(op(grad, x, 0.5), run_on_jax(op, grad, x, 0.5)) is None
+    target, weight = torch.tensor([0, 5, 1, 2]), _t(6, low=0.1, high=1)
+    for p, margin, w, reduction, g_out in ((1, 1.0, None, 1, torch.tensor(0.7)), (2, 0.5, weight, 0, _t(4))):
+        args = (g_out, x, target, p, margin, w, reduction)
+        assert compare(aten.multi_margin_loss_backward(*args),
+                       run_on_jax(aten.multi_margin_loss_backward.default, *args)) is None
+    volume = _t(2, 3, 6, 7, 5)
+    values, indices = torch.nn.functional.max_pool3d(volume, (2, 3, 2), (2, 2, 1), (1, 1, 0), return_indices=True)
+    args = (_t(*values.shape), volume, [2, 3, 2], [2, 2, 1], [1, 1, 0], [1, 1, 1], False, indices)
+    assert compare(aten.max_pool3d_with_indices_backward(*args),
+                   run_on_jax(aten.max_pool3d_with_indices_backward.default, *args)) is None
+
+
+def _run_nn_extra_cases():
+    """The cases of tpudist/ops/lowerings/nn_extra.py, one each, for run_all_cases."""
+    test_native_multi_head_attention_matches_cpu("key_padding", True, True)
+    test_transformer_encoder_layer_fwd_matches_cpu(False, True, "float_attn")
+    test_nested_tensor_mask_check_and_the_nested_path_error()
+    test_multilabel_margin_loss_forward_and_backward_match_cpu(1)
+    test_adaptive_max_pool_values_indices_and_backward_match_cpu((2, 3, 7, 5), (3, 2))
+    test_adaptive_max_pool_values_indices_and_backward_match_cpu((1, 2, 5, 4, 7), (2, 3, 3))
+    test_embedding_bag_and_its_gradients_match_cpu("sum", True, 2, False)
+    test_embedding_bag_forward_only_and_dense_backward_match_cpu(2)
+    test_index_put_one_value_per_true_element_traces_and_matches_cpu((3,))
+    test_fractional_max_pool_from_given_samples_matches_cpu((2, 3, 9, 7), (2, 3), (4, 3))
+    test_fractional_max_pool_from_given_samples_matches_cpu((2, 2, 7, 6, 9), (2, 2, 3), (3, 4, 4))
+    test_rrelu_with_noise_functional_follows_cpus_rule()
+    test_ctc_loss_and_atens_gradient_match_cpu(False, "Tensor", False)
+    test_ctc_loss_and_atens_gradient_match_cpu(True, "default", False)
+    test_shrink_margin_and_max_pool3d_backwards_match_cpu()

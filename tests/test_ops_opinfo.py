@@ -80,6 +80,9 @@ ACCUMULATING = {"mm", "bmm", "matmul", "addmm", "addmv", "addbmm", "baddbmm", "m
                 "tensordot", "trace", "addr", "outer", "linalg.vector_norm", "cumsum", "sum", "mean", "var",
                 "std", "var_mean", "std_mean", "logsumexp", "prod", "cumprod", "nn.functional.layer_norm",
                 "native_layer_norm", "softmax", "log_softmax", "nn.functional.cross_entropy"}
+# Gradients whose CPU float32 kernel is itself this far off: (rtol, atol) and the measurement.
+# ctc_loss (T=50, N=16, C=20): CPU float32 is 2.2e-5 from its own float64 result, the lowering 4.6e-6.
+GRAD_TOL = {"nn.functional.ctc_loss": (1e-4, 5e-5)}
 # Ops whose backward is not compared, with the reason.
 NO_GRAD = {
     "as_strided": "as_strided's backward views a storage-sized buffer; JaxValues have no storage",
@@ -157,7 +160,7 @@ def _run_sample(info, sample, dtype, with_grad):
     if why is None and expected_grads is not None:
         # gradients go through several ops (and torch's backward formulas): 1e-4 relative, 1e-5 absolute
         why = compare([g for g in expected_grads if g is not None], [g for g in actual_grads if g is not None],
-                      values=not random, rtol=1e-4, atol=1e-5)
+                      values=not random, **dict(zip(("rtol", "atol"), GRAD_TOL.get(info.name, (1e-4, 1e-5)))))
         why = None if why is None else f"gradient: {why}"
     return Outcome(dtype, "pass" if why is None else "mismatch", why or "")
 

@@ -152,7 +152,20 @@ def _vjp_through_table(op, grad, x, *rest):
 
 @lowers(aten.multi_margin_loss_backward.default)
 def multi_margin_loss_backward(grad_out, x, target, p, margin, weight=None, reduction=1):
-    return _vjp_through_table(aten.multi_margin_loss.default, grad_out, x, target, p, margin, weight, reduction)
+    """ATen's formula (MultiMarginCriterion.cpp): a hinge counts only where it is > 0 (a vjp through
+    max(0, z) would give half a gradient at z == 0)."""
+    xf = _f(x).reshape(-1, x.shape[-1] if x.ndim else 1)  # a 0-d input is one sample of one class
+    t = target.reshape(-1)
+    picked = jnp.take_along_axis(xf, t[:, None], axis=1)
+    z = margin - picked + xf
+    other = jnp.arange(xf.shape[1])[None] != t[:, None]
+    slope = jnp.where(other & (z > 0), 1.0 if p == 1 else 2.0 * z, 0.0).astype(xf.dtype) / xf.shape[1]
+    if weight is not None:
+        slope = slope * _f(weight)[t][:, None]
+    g = upcast(grad_out)
+    g = g.reshape(-1, 1) / (xf.shape[0] if reduction == 1 else 1) if reduction != 0 else g.reshape(-1, 1)
+    dx = slope - jax.nn.one_hot(t, xf.shape[1], dtype=slope.dtype) * jnp.sum(slope, axis=1, keepdims=True)
+    return (dx * g).reshape(x.shape)
 
 
 @lowers(aten.multilabel_margin_loss_backward.default)
@@ -437,10 +450,8 @@ def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):
     if lp.ndim == 2:  # unbatched (T, C)
         lp = lp[:, None]
     steps, batch = lp.shape[0], lp.shape[1]
-    if targets.ndim == 2:
-        max_len = targets.shape[1]
-    elif isinstance(target_lengths, jax.core.Tracer):
-        max_len = targets.shape[0]  # traced lengths: the widest a sample's targets can be
+    if isinstance(target_lengths, jax.core.Tracer):  # the widest a sample's targets can be
+        max_len = targets.shape[-1]
     else:  # int[] lengths (the .default overload) or a concrete tensor: as torch's meta kernel
         max_len = int(np.max(np.asarray(target_lengths), initial=0))
     input_lengths = jnp.asarray(input_lengths).reshape(batch)
