@@ -510,6 +510,7 @@ def run_all_cases():
     for op, failing, passing, message in _ASSERT_CASES:
         test_assertions_raise_as_torch_does_concrete_and_traced(op, failing, passing, message)
     _run_nn_extra_cases()
+    _run_resample_and_counting_cases()
 
 
 # -- a Llama-style training step ------------------------------------------------------------------
@@ -908,3 +909,156 @@ def _run_nn_extra_cases():
     test_ctc_loss_and_atens_gradient_match_cpu(False, "Tensor", False)
     test_ctc_loss_and_atens_gradient_match_cpu(True, "default", False)
     test_shrink_margin_and_max_pool3d_backwards_match_cpu()
+
+
+# -- resampling (tpudist/ops/lowerings/resample.py) -----------------------------------------------
+
+class _UpsampleCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """The upsample ops (and backwards) CPU torch reaches for one F.interpolate call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "upsample" in str(func):
+            self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+_INTERPOLATE_MODES = [("nearest", 1), ("nearest", 2), ("nearest", 3), ("nearest-exact", 1), ("nearest-exact", 2),
+                      ("nearest-exact", 3), ("linear", 1), ("bilinear", 2), ("bicubic", 2), ("trilinear", 3),
+                      ("bilinear-aa", 2), ("bicubic-aa", 2)]
+_INTERPOLATE_SIZES = [(5, dict(size=7)), (5, dict(scale_factor=1.7)), (6, dict(scale_factor=0.45)),
+                      (7, dict(scale_factor=0.6, recompute_scale_factor=True)), (4, dict(scale_factor=2)),
+                      (9, dict(size=3)), (3, dict(size=1)), (1, dict(size=4))]
+
+
+def _interpolate_calls(mode, nd, first, resize, align_corners, dtype=torch.float32):
+    """F.interpolate forward and backward on CPU: the aten calls they make (sizes grow by one per dim)."""
+    base = mode.replace("-aa", "")
+    x = _t(2, 3, *(first + i for i in range(nd)), dtype=dtype).requires_grad_()
+    kwargs = dict(resize)
+    if "size" in kwargs:
+        kwargs["size"] = tuple(kwargs["size"] + i for i in range(nd))
+    if not base.startswith("nearest"):
+        kwargs["align_corners"] = align_corners
+    with _UpsampleCalls() as seen:
+        y = torch.nn.functional.interpolate(x, mode=base, antialias=mode.endswith("-aa"), **kwargs)
+        y.backward(_t(*y.shape, dtype=dtype))
+    assert len(seen.calls) == 2, seen.calls  # the forward op and its backward
+    return seen.calls
+
+
+_INTERPOLATE_CASES = [(m, n, ac) for m, n in _INTERPOLATE_MODES for ac in (False, True)
+                      if not (ac and m.startswith("nearest"))]  # nearest modes take no align_corners
+
+
+@pytest.mark.parametrize("mode,nd,align_corners", _INTERPOLATE_CASES,
+                         ids=[f"{m}{n}d-{'ac' if a else 'half_pixel'}" for m, n, a in _INTERPOLATE_CASES])
+def test_upsample_ops_and_backwards_match_cpu(mode, nd, align_corners):
+    for first, resize in _INTERPOLATE_SIZES:
+        for op, args, kwargs in _interpolate_calls(mode, nd, first, resize, align_corners):
+            got = run_on_jax(op, *args, **kwargs)
+            assert compare(op(*args, **kwargs), got, atol=1e-5) is None, (op, first, resize)
+
+
+@pytest.mark.parametrize("mode,nd", [("nearest", 2), ("bilinear", 2), ("bicubic", 2), ("trilinear", 3),
+                                     ("nearest-exact", 3)])  # CPU has no bfloat16 antialiasing
+def test_upsample_ops_in_bfloat16_match_cpu(mode, nd):
+    for op, args, kwargs in _interpolate_calls(mode, nd, 5, dict(scale_factor=1.5), False, torch.bfloat16):
+        assert compare(op(*args, **kwargs), run_on_jax(op, *args, **kwargs), atol=2e-2, rtol=1e-2) is None, op
+
+
+_X4 = _t(2, 3, 5, 6)
+_UPSAMPLE_VEC = [  # the .vec overloads: output size given, or floor(in * scale) with the scales kept
+    (aten.upsample_nearest1d.vec, (_X4[0], None, [2.5])), (aten.upsample_nearest2d.vec, (_X4, None, [1.5, 0.7])),
+    (aten.upsample_nearest3d.vec, (_X4[None], [3, 4, 9], None)),
+    (aten._upsample_nearest_exact1d.vec, (_X4[0], [8], None)), (aten._upsample_nearest_exact2d.vec, (_X4, [3, 9], None)),
+    (aten._upsample_nearest_exact3d.vec, (_X4[None], None, [2.0, 1.3, 0.5])),
+    (aten.upsample_linear1d.vec, (_X4[0], None, True, [1.7])), (aten.upsample_bilinear2d.vec, (_X4, None, False, [1.5, 2.3])),
+    (aten.upsample_bilinear2d.vec, (_X4, [7, 4], True, None)),
+    (aten.upsample_trilinear3d.vec, (_X4[None], None, False, [1.5, 2.0, 0.5])),
+    (aten.upsample_bicubic2d.vec, (_X4, None, False, [1.3, 1.3])),
+    (aten._upsample_bilinear2d_aa.vec, (_X4, [3, 2], False, None)),
+    (aten._upsample_bicubic2d_aa.vec, (_X4, None, True, [0.5, 0.4])),
+]
+
+
+@pytest.mark.parametrize("case", _UPSAMPLE_VEC, ids=[str(c[0]) for c in _UPSAMPLE_VEC])
+def test_upsample_vec_overloads_match_cpu(case):
+    op, args = case
+    assert compare(op(*args), run_on_jax(op, *args), atol=1e-5) is None
+
+
+# -- counting (tpudist/ops/lowerings/counting.py) ---------------------------------------------------
+
+_V, _K = _t(50, low=-3, high=3), _t(20, dtype=torch.int64, low=0, high=6)
+_COUNTING = [
+    (aten.histc.default, (_V,)), (aten.histc.default, (_V, 7, -1.0, 1.0)), (aten.histc.default, (torch.ones(4), 3)),
+    (aten.histc.default, (_V.double(), 10, -0.5, 2.0)), (aten.histc.default, (torch.tensor([0.0, 1.0, 2.0, 3.0]), 3, 0.0, 3.0)),
+    (aten.histc.default, (torch.tensor([1.0, float("nan"), 5.0, -float("inf")]), 4, 0.0, 6.0)),
+    (aten.bincount.default, (_K,)), (aten.bincount.default, (_K, None, 10)), (aten.bincount.default, (_K, _t(20))),
+    (aten.bincount.default, (_K, _t(20).double(), 3)), (aten.bincount.default, (_K.int(), _t(20, dtype=torch.int64), 3)),
+    (aten.bincount.default, (torch.zeros(0, dtype=torch.long), None, 4)),
+    (aten._unique2.default, (_K, True, True, True)), (aten._unique2.default, (_K.reshape(4, 5), False, True, False)),
+    (aten._unique2.default, (_V, True, False, True)), (aten._unique2.default, (torch.tensor([float("nan"), 1.0, float("nan")]), True, True, True)),
+    (aten._unique2.default, (torch.tensor([True, False, True]), True, True, True)),
+    (aten.unique_dim.default, (_K.reshape(10, 2) % 2, 0, True, True, True)),
+    (aten.unique_dim.default, (_K.reshape(4, 5) % 2, 1, True, False, False)),
+    (aten.unique_consecutive.default, (_K % 3, True, True)), (aten.unique_consecutive.default, (_K % 3, False, False)),
+    (aten.unique_consecutive.default, ((_K % 2).reshape(10, 2), True, True, 0)),
+    (aten.unique_consecutive.default, ((_K % 2).reshape(2, 10), False, False, -1)),
+    (aten.unique_consecutive.default, (torch.zeros(0), True, True)),
+    (aten.put.default, (_t(3, 4), torch.tensor([0, 5, -1]), _t(3))),
+    (aten.put.default, (_t(3, 4), torch.tensor([[0, 5], [5, -1]]), _t(2, 2), True)),
+    (aten.put.default, (_t(3, 4, dtype=torch.int64), torch.tensor([2]), _t(1, dtype=torch.int64))),
+    (aten.embedding_renorm.default, (_t(6, 4), torch.tensor([[1, 2], [2, 5]]), 1.5, 2.0)),
+    (aten.embedding_renorm.default, (_t(6, 4), torch.tensor([0, 3]), 1.0, 1.0)),
+    (aten.embedding_renorm.default, (_t(6, 4), torch.tensor([0, 3]), 1.0, float("inf"))),
+    (aten.embedding_renorm.default, (_t(6, 4), torch.tensor([0, 3, 4]), 1.0, 3.0)),
+]
+
+
+@pytest.mark.parametrize("case", _COUNTING, ids=[f"{c[0]}-{i}" for i, c in enumerate(_COUNTING)])
+def test_counting_ops_match_cpu(case):
+    op, args = case
+    assert compare(op(*args), run_on_jax(op, *args)) is None
+
+
+@pytest.mark.parametrize("op,args", [(aten.bincount.default, (_K,)), (aten._unique2.default, (_K, True, True, True)),
+                                     (aten.unique_consecutive.default, (_K, True, True))])
+def test_data_dependent_counting_ops_refuse_to_trace(op, args):
+    # their shape depends on the values: inside jax.jit they raise JAX's error (the device then runs them
+    # concretely; a compiled graph fails with it) instead of guessing a shape
+    with pytest.raises(jax.errors.ConcretizationTypeError, match="depends on the data"):
+        jax.jit(lambda a: call(op, a, *args[1:]))(to_jax(args[0]))
+
+
+def test_histc_rejects_what_cpu_rejects():
+    for x, args, message in [(torch.tensor([1.0, float("nan")]), (4,), "not finite"),
+                             (torch.tensor([1.0, float("inf")]), (4,), "not finite"),
+                             (torch.ones(3), (4, 2.0, 1.0), "max must be larger than min")]:
+        with pytest.raises(RuntimeError, match=message):
+            aten.histc(x, *args)
+        with pytest.raises(RuntimeError, match=message):
+            run_on_jax(aten.histc.default, x, *args)
+
+
+def test_bincount_rejects_what_cpu_rejects():
+    for bad in (torch.tensor([1, -2]), torch.zeros(2, 2, dtype=torch.long)):
+        with pytest.raises(RuntimeError, match="bincount only supports 1-d non-negative"):
+            aten.bincount(bad)
+        with pytest.raises(RuntimeError, match="bincount only supports 1-d non-negative"):
+            run_on_jax(aten.bincount.default, bad)
+
+
+def _run_resample_and_counting_cases():
+    """One case of each resample.py / counting.py lowering, for run_all_cases."""
+    for mode, nd in _INTERPOLATE_MODES:
+        for op, args, kwargs in _interpolate_calls(mode, nd, 5, dict(scale_factor=1.5), not mode.startswith("nearest")):
+            assert compare(op(*args, **kwargs), run_on_jax(op, *args, **kwargs), atol=1e-5) is None, op
+    for case in _UPSAMPLE_VEC:
+        test_upsample_vec_overloads_match_cpu(case)
+    for case in _COUNTING:
+        test_counting_ops_match_cpu(case)
