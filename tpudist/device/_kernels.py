@@ -251,13 +251,20 @@ def _impl(op, fn) -> None:
 _LIBS_BY_NAMESPACE: dict = {}
 
 
+def _composite_implicit(op) -> bool:
+    """An op with a CompositeImplicitAutograd kernel (upsample_bilinear2d.vec ...) decomposes above
+    autograd into ops the device runs; a PrivateUse1 kernel for it would replace its autograd kernel
+    on tpu tensors by the not-implemented fallback (no gradient). Its lowering still serves compile."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")  # noqa: SLF001
+
+
 def register_lowered(op) -> None:
     """Route ``op`` (and its in-place/out twins) on tpu tensors to its lowering in ``tpudist.ops``.
 
     Ops of any namespace: a ``torch.library.custom_op`` has a CompositeExplicitAutograd kernel that
     would otherwise run its Python body on tpu tensors instead of the JAX lowering.
     """
-    if op in _SPECIAL or is_view_op(op):
+    if op in _SPECIAL or is_view_op(op) or _composite_implicit(op):
         return
     _impl(op, functools.partial(execute_kernel, op))
     for twin in _twins(op):
