@@ -123,6 +123,8 @@ def put(x, index, source, accumulate=False):
     index = index.reshape(-1)
     index = jnp.where(index < 0, index + flat.shape[0], index)
     source = source.reshape(-1).astype(x.dtype)
+    if accumulate and x.dtype == jnp.bool_:  # accumulating bools is a logical or
+        return put(x.astype(jnp.int8), index, source.astype(jnp.int8), True) != 0
     at = flat.at[index]
     return (at.add(source) if accumulate else at.set(source)).reshape(x.shape)
 
