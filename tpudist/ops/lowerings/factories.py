@@ -63,6 +63,13 @@ def empty_strided(size, stride, *, dtype=None, **_placement):
     return jnp.zeros(tuple(size), _dtype(dtype))
 
 
+@lowers(aten.empty_permuted.default)
+def empty_permuted(size, physical_layout, *, dtype=None, **_placement):
+    # the layout is an order of strides, which values in a jax.Array do not show (silu_backward's
+    # decomposition makes its result this way)
+    return jnp.zeros(tuple(size), _dtype(dtype))
+
+
 @lowers(aten.ones.default)
 def ones(size, *, dtype=None, **_placement):
     return jnp.ones(tuple(size), _dtype(dtype))
