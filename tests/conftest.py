@@ -1,7 +1,20 @@
 import os
+import sys
 
 # Rank processes and this process share 2 cores: keep intra-op threads at one (FACTS.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Tests live in one folder per layer (tests/<layer>/). Modules import the shared modules of
+# tests/helpers/ (rank functions, case tables, models) by top-level name, and test_device_opinfo
+# imports test_ops_opinfo (whose cases it runs on the device); rank processes import the functions they
+# run by module name too, with the sys.path RankPool hands them. pytest puts a test's own folder on
+# sys.path (import mode prepend); these folders are put there for every pytest process (xdist workers
+# included) however few tests it runs. Module names stay unique across tests/.
+_IMPORTED_BY_NAME = ("helpers", "ops")
+for _folder in _IMPORTED_BY_NAME:
+    _path = os.path.join(os.path.dirname(os.path.abspath(__file__)), _folder)
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 
 import pytest  # noqa: E402

@@ -14,7 +14,7 @@ Allocating can be a no-op because FSDP2 writes every element of a re-allocated s
 reads one: the all-gather's copy-out (``split_with_sizes_copy``) fills the parameters' all-gather
 outputs, whose storages back the unsharded parameters. With the "tpu" process group those writes
 are device programs too (``tpudist.process_group.device_arrays``), on any number of ranks
-(``tests/test_device_dist.py``: 2 and 4 ranks, HSDP and FSDP+TP).
+(``tests/device/test_device_dist.py``: 2 and 4 ranks, HSDP and FSDP+TP).
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def nan_to_num(x, nan=None, posinf=None, neginf=None):
 # 16-bit floats: torch's CPU kernels compute some ops in float32 and round once, where the same
 # formula in bf16/f16 rounds every step (a third to a half of the elements 1 ulp off, measured).
 # What each kernel does was found by matching candidate float32 formulas bit for bit against
-# torch 2.13 over 40,000 random bf16 and f16 values each (tests/test_ops_lowerings.py checks it):
+# torch 2.13 over 40,000 random bf16 and f16 values each (tests/ops/test_ops_lowerings.py checks it):
 # add/sub with alpha: x +- alpha * y, alpha first rounded to the dtype; mul and div by a Python
 # scalar: the scalar unrounded; addcmul and addcdiv: value unrounded, left to right.
 

@@ -1,6 +1,6 @@
 """PyTorch's own c10d test suite on "tpu": a curated selection of ``distributed_test.py`` (shipped
 in the installed torch), run the way torch's ``test/distributed/test_distributed_spawn.py`` runs
-it (``tests/upstream/c10d_spawn.py``), with the backend swapped for "tpu". Every selected test must
+it (``tests/process_group/upstream/c10d_spawn.py``), with the backend swapped for "tpu". Every selected test must
 pass. Each was chosen because it passes on gloo at 2 ranks with the pinned torch; the gloo run that
 shows it (as long again: every test spawns fresh ranks) is left to ``TPUDIST_UPSTREAM_GLOO=1``,
 which runs each chunk on gloo first and requires the same outcome there.

@@ -16,6 +16,7 @@ import torch
 from tpudist.testing import RankPool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+HELPERS = os.path.join(os.path.dirname(HERE), "helpers")  # the modules tests share (tests/helpers/)
 SPECS = [None, (0, 2), (2, 0, 1)]  # the world, a pair, and a group not in rank order
 
 
@@ -91,7 +92,7 @@ def _barrier_timeout(tmp_path, backend: str, first_world_timeout_s: float):
     procs, env = [], dict(os.environ, WORLD_SIZE="2", OMP_NUM_THREADS="1", XLA_FLAGS="")
     for rank in range(2):
         procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "gloo_parity_cases.py"), backend, str(tmp_path),
+            [sys.executable, os.path.join(HELPERS, "gloo_parity_cases.py"), backend, str(tmp_path),
              str(first_world_timeout_s)], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
     outs = []

@@ -12,7 +12,7 @@ import torch
 from tpudist.testing import RankPool, run_command
 from tpudist.testing.soak import OPS, Call, _diff, _fold, gloo_can, group_specs, make_plan, run_plan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- plans: pure values ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 
 from tpudist.testing import RankPool, run_command, torchrun_command
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120
 TINY = ["--vocab-size", "64", "--dim", "32", "--n-heads", "2", "--n-kv-heads", "1", "--seq-len", "16",
         "--global-batch", "8", "--warmup-steps", "3", "--lr", "2e-2"]

@@ -3,7 +3,7 @@
 Two silent divergences this file pins down: ``.to("tpu")`` must keep tied and shared parameters one
 object (as CUDA does: torch moves them in place with ``param.data = ...``), and every write an op makes
 into its arguments (``Tensor(a!)`` in its schema, and native_batch_norm's undeclared running-stat
-update) must land in the device tensors. Like tests/test_device.py, every case runs in one worker
+update) must land in the device tensors. Like tests/device/test_device.py, every case runs in one worker
 process that imports ``tpudist.device`` (which renames PrivateUse1 for its whole process).
 """
 

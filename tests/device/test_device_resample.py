@@ -2,7 +2,7 @@
 on the "tpu" device, forward and backward, against CPU eager torch in Strict and Fused modes.
 
 Everything runs in one worker process (installing the device renames PrivateUse1 for the whole
-process), as in tests/test_device.py.
+process), as in tests/device/test_device.py.
 """
 
 from __future__ import annotations

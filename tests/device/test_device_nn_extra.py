@@ -4,7 +4,7 @@
 ``no_grad`` call ``_transformer_encoder_layer_fwd`` / ``_native_multi_head_attention`` on a PrivateUse1
 device (module_db runs them with grad, so never on that path). Boolean-mask ops and
 ``cross_entropy(weight=..., label_smoothing=...)`` (whose CPU composite calls ``masked_select``) run
-eagerly with data-dependent shapes. Everything runs in one worker process, as in tests/test_device.py.
+eagerly with data-dependent shapes. Everything runs in one worker process, as in tests/device/test_device.py.
 """
 
 from __future__ import annotations

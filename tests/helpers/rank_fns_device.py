@@ -1,4 +1,4 @@
-"""Rank-side functions of tests/test_device_dist.py: training and collectives on "tpu" device tensors.
+"""Rank-side functions of tests/device/test_device_dist.py: training and collectives on "tpu" device tensors.
 
 Every function imports ``tpudist.device`` itself (the pytest process never does). A training run is
 described by :class:`Run` and done twice on the same ranks: on tpu tensors over the "tpu" process

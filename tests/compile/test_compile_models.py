@@ -237,7 +237,7 @@ def _check_hf(out: dict) -> None:
     assert out["param_err"] <= PARAM_ATOL, out
 
 
-# BERT (no graph constants, a padding mask) and GPT-2/T5 on the device: tests/test_model_zoo.py; here
+# BERT (no graph constants, a padding mask) and GPT-2/T5 on the device: tests/device/test_model_zoo.py; here
 # the families whose default config puts constants in the graph, kept to a minute or so of compiling.
 @pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
 def test_hf_default_config_trains_compiled_cpu(family):

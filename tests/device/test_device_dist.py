@@ -68,7 +68,7 @@ def test_dtensor_on_a_tpu_device_mesh_matches_gloo(pool2, pool4, world):
 
 def test_every_collective_on_device_equals_the_cpu_path(pool2):
     """Device collectives run the CPU path's lowerings: the same bits as on CPU tensors (whose
-    correctness against gloo tests/test_collectives.py establishes)."""
+    correctness against gloo tests/process_group/test_collectives.py establishes)."""
     for rank, (got, ref) in enumerate(zip(pool2.run(fns.collectives, "tpu"), pool2.run(fns.collectives, "cpu"))):
         assert set(got) == set(ref)
         for name, value in ref.items():

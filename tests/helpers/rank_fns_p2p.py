@@ -1,4 +1,4 @@
-"""Rank-side functions of tests/test_device_p2p.py: point to point and pipelines on "tpu" tensors.
+"""Rank-side functions of tests/device/test_device_p2p.py: point to point and pipelines on "tpu" tensors.
 
 Each function imports ``tpudist.device`` itself (the pytest process never does). A case runs twice
 on the same two ranks: on tpu tensors over the "tpu" process groups, and on CPU tensors over gloo

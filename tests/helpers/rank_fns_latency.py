@@ -1,4 +1,4 @@
-"""Rank functions of tests/test_collective_latency.py (importable by rank processes)."""
+"""Rank functions of tests/process_group/test_collective_latency.py (importable by rank processes)."""
 
 from __future__ import annotations
 

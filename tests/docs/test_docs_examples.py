@@ -31,7 +31,7 @@ import pytest
 
 from tpudist.testing import run_command, torchrun_command
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 EXPECTED_FRAGMENTS = 3  # change deliberately when a guide gains or loses a fragment
 TIMEOUT_S = 300.0

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 150
 STEPS, EVERY = 8, 2
 TINY = ["--vocab-size", "64", "--dim", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1",

@@ -8,7 +8,7 @@ CPU build), and its FlexAttention runs through torch.compile + Inductor and has 
 the CPU reference could not train with it.
 
 Installing the device renames PrivateUse1 for the whole process, so everything runs in one worker
-process, as in tests/test_device.py; this pytest process never imports ``tpudist.device``.
+process, as in tests/device/test_device.py; this pytest process never imports ``tpudist.device``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _import_torchtitan():
         try:
             import triton  # noqa: F401
         except ImportError:
-            stub = types.ModuleType(name, "placeholder: Triton kernels are CUDA-only (tests/test_torchtitan.py)")
+            stub = types.ModuleType(name, "placeholder: Triton kernels are CUDA-only (tests/device/test_torchtitan.py)")
             stub.__getattr__ = lambda attr: _unavailable(attr)
             sys.modules[name] = stub
     from torchtitan.models import llama3

@@ -4,7 +4,7 @@ drives them: ``BACKEND``, ``WORLD_SIZE`` and ``TEMP_DIR`` in the environment, on
 spawned rank processes per test, ``init_process_group(backend=BACKEND, init_method="file://...")``.
 
 Run as a script (the spawned ranks import this file as ``__mp_main__``):
-    BACKEND=gloo WORLD_SIZE=2 TEMP_DIR=$(mktemp -d) python tests/upstream/c10d_spawn.py \
+    BACKEND=gloo WORLD_SIZE=2 TEMP_DIR=$(mktemp -d) python tests/process_group/upstream/c10d_spawn.py \
         --json out.json test_all_reduce_sum test_barrier
 
 ``TPUDIST_UPSTREAM_SWAP=tpu`` (with ``BACKEND=gloo``) swaps the backend the way a user would: the
