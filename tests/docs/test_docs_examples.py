@@ -42,11 +42,13 @@ _RUN = re.compile(r"#\s*run:\s*(torchrun\s+(\d+)(?:\s+session=(\S+))?|pytest|pyt
 
 # Runs a file's shared blocks in this process, one after the other, each in a fresh namespace.
 _SHARED_RUNNER = """
-import json, sys, traceback
+import json, linecache, sys, traceback
 import tpudist.device  # noqa: F401  (before any backward in this process)
 blocks = json.load(open(sys.argv[1]))
 for name, code in blocks:
     print(f"=== {name}", flush=True)
+    # the block's source, for inspect.getsource (Helion parses its kernels' source) as in a user's file
+    linecache.cache[name] = (len(code), None, code.splitlines(True), name)
     try:
         exec(compile(code, name, "exec"), {"__name__": "__main__"})
     except BaseException:
@@ -59,11 +61,12 @@ print("=== all passed", flush=True)
 # The same for torchrun programs: every rank runs the programs in order; a failing rank exits at
 # once (its peers then fail or time out in their next collective).
 _TORCHRUN_RUNNER = """
-import json, os, sys, traceback
+import json, linecache, os, sys, traceback
 blocks = json.load(open(sys.argv[1]))
 rank = os.environ.get("RANK")
 for name, code in blocks:
     print(f"=== rank {rank}: {name}", flush=True)
+    linecache.cache[name] = (len(code), None, code.splitlines(True), name)  # for inspect.getsource
     try:
         exec(compile(code, name, "exec"), {"__name__": "__main__"})
     except BaseException:
