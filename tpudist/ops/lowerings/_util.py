@@ -137,3 +137,17 @@ def is_one(x) -> bool:
 def is_zero(x) -> bool:
     """True for the Python number 0 (a traced scalar is never taken for a constant)."""
     return not is_array(x) and x == 0
+
+
+def concrete(x, what: str, fix: str):
+    """``x`` as a numpy array, for an op whose result's shape depends on the data.
+
+    Inside ``jax.jit`` it raises JAX's own concretization error: the device (and opcheck) take it as
+    "run this op on concrete values outside jit", so such ops work eagerly; a compiled graph still fails,
+    with ``what`` and ``fix`` in the message.
+    """
+    if isinstance(x, jax.core.Tracer):
+        raise jax.errors.ConcretizationTypeError(
+            x, f"{what} has a data-dependent shape (its size depends on the data) and cannot run inside "
+               f"jax.jit; {fix}")
+    return np.asarray(x)

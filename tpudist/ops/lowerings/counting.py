@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tpudist.ops.lowerings._util import dim_of
+from tpudist.ops.lowerings._util import concrete, dim_of
 from tpudist.ops.lowerings.asserts import _check
 from tpudist.ops.registry import lowers
 
@@ -21,11 +21,8 @@ aten = torch.ops.aten
 
 
 def _concrete(x, op):
-    if isinstance(x, jax.core.Tracer):
-        raise jax.errors.ConcretizationTypeError(
-            x, f"{op} returns a tensor whose shape depends on the data and cannot run inside jax.jit; run it "
-               "eagerly (outside torch.compile) or give a static bound (e.g. one_hot(...).sum() for bincount)")
-    return np.asarray(x)
+    return concrete(x, op, "run it eagerly (outside torch.compile) or give a static bound "
+                           "(e.g. one_hot(...).sum() for bincount)")
 
 
 @lowers(aten.histc.default)

@@ -13,20 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tpudist.ops.lowerings._util import dim_of, is_array, upcast
+from tpudist.ops.lowerings._util import concrete, dim_of, is_array, upcast
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten
 
 
 def _concrete_mask(mask, op):
-    # JAX's own concretization error: the device (and opcheck) take it as "run this op on concrete
-    # values outside jit", so eager x[mask] / nonzero / masked_select work; a compiled graph still fails.
-    if isinstance(mask, jax.core.Tracer):
-        raise jax.errors.ConcretizationTypeError(
-            mask, f"{op} with a boolean mask has a data-dependent shape and cannot run inside jax.jit; run it "
-                  "eagerly or use torch.where")
-    return np.asarray(mask)
+    return concrete(mask, f"{op} with a boolean mask", "run it eagerly or use torch.where")
 
 
 def _index_tuple(indices, op):
