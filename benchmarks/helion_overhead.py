@@ -21,13 +21,13 @@ import argparse
 import gc
 import os
 import statistics
-import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import helion  # noqa: E402
 import helion.language as hl  # noqa: E402
 import torch  # noqa: E402
+from kernel_overhead import _per_call  # noqa: E402  (this folder is on sys.path when run as a script)
 
 
 @helion.kernel(backend="pallas", pallas_interpret=True, config=helion.Config(block_sizes=[1024]))
@@ -36,13 +36,6 @@ def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # module level: Heli
     for tile in hl.tile(out.size()):
         out[tile] = x[tile] + y[tile]
     return out
-
-
-def _per_call(fn, iters: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters
 
 
 def main(argv=None) -> None:
