@@ -105,8 +105,9 @@ class PointToPoint:
         other = None if peer is None else group.global_ranks[peer]
         src, dst = (me, other) if kind == "send" else (other, me)
         shown = "any" if src is None else src
-        work = DeferredWork(f"{kind} {shown}->{dst} (tag {tag}) of {tuple(t.shape)} {t.dtype}",
-                             group._timeout)  # noqa: SLF001
+        # the same words as the comm thread's own timeout (_timeout): whichever fires first
+        work = DeferredWork(f"{group._describe('send/recv')}: {kind} {shown}->{dst} (tag {tag}) of "  # noqa: SLF001
+                            f"{tuple(t.shape)} {t.dtype}", group._timeout)  # noqa: SLF001
         if kind == "recv":
             work.source = peer
         self._check_disjoint(kind, t, shown, dst)
