@@ -376,4 +376,3 @@ def test_second_process_reuses_compiled_programs(tmp_path):
     cold, warm = runs
     assert cold["programs_compiled"] == 2 and warm["programs_compiled"] == 0 and warm["disk_hits"] == 2, (cold, warm)
     assert warm["loss"] == cold["loss"]
-    assert warm["compile_seconds"] <= 0.1 * cold["compile_seconds"], (cold, warm)
