@@ -1,10 +1,14 @@
-"""JAX's persistent compilation cache, on by default for tpudist's programs.
+"""Where tpudist's caches live, and JAX's persistent compilation cache, on by default.
 
-The device's eager programs, the compile backend's graphs and the kernels all compile through XLA;
-a second process on the same machine (another emulated rank, the next run) reads what the first
-compiled from disk. One directory per user, ``$TPUDIST_CACHE_DIR`` or
-``~/.cache/tpudist/jax`` (``$XDG_CACHE_HOME`` honoured); ``TPUDIST_CACHE_DIR=0`` turns it off.
-Every program is cached, however fast it compiled (JAX's default skips those under 1 s).
+One root, ``$TPUDIST_CACHE_DIR`` (default ``~/.cache/tpudist``, ``$XDG_CACHE_HOME`` honoured): a
+path, or with ``fsspec`` installed any fsspec URL, which every host of a pod may share.
+``TPUDIST_CACHE_DIR=0`` turns every cache off. Under it:
+
+- ``programs/``: tpudist's program cache (``tpudist.program_cache``): traced programs as
+  ``jax.export`` modules, shared by every process and host that would trace the same program.
+- ``jax/``: JAX's persistent compilation cache (XLA executables). JAX reads and writes local or
+  mounted paths only: for a URL root it lives under the local default root instead. Every program
+  is cached, however fast it compiled (JAX's default skips those under 1 s).
 """
 
 from __future__ import annotations
@@ -15,21 +19,37 @@ from pathlib import Path
 _enabled: str | None = None
 
 
-def cache_dir() -> Path | None:
-    """The directory the persistent cache uses, or None when ``TPUDIST_CACHE_DIR=0``."""
+def _local_default() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tpudist"
+
+
+def cache_root() -> str | None:
+    """The root of tpudist's caches (a path or a URL), or None when ``TPUDIST_CACHE_DIR=0``."""
     value = os.environ.get("TPUDIST_CACHE_DIR")
     if value == "0":
         return None
     if value:
-        return Path(value).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "tpudist" / "jax"
+        return value if "://" in value else str(Path(value).expanduser())
+    return str(_local_default())
+
+
+def cache_dir() -> Path | None:
+    """The directory JAX's persistent compilation cache uses, or None when ``TPUDIST_CACHE_DIR=0``."""
+    root = cache_root()
+    if root is None:
+        return None
+    if "://" in root:
+        if root.startswith("file://"):
+            return Path(root[len("file://"):]) / "jax"
+        return _local_default() / "jax"
+    return Path(root) / "jax"
 
 
 def enable_persistent_cache() -> Path | None:
     """Point JAX's compilation cache at ``cache_dir()`` (once per process); returns the directory.
 
-    Leaves a cache directory the user configured for JAX themselves alone.
+    Leaves a cache directory the user configured for JAX themselves alone. ``TPUDIST_CACHE_MAX_BYTES``
+    bounds it too where JAX can enforce a bound (it needs the ``filelock`` package).
     """
     global _enabled
     path = cache_dir()
@@ -37,6 +57,8 @@ def enable_persistent_cache() -> Path | None:
         return None
     if _enabled is not None:
         return Path(_enabled)
+    import importlib.util
+
     import jax
 
     if jax.config.jax_compilation_cache_dir:
@@ -46,5 +68,9 @@ def enable_persistent_cache() -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if os.environ.get("TPUDIST_CACHE_MAX_BYTES") and importlib.util.find_spec("filelock") is not None:
+        from tpudist.program_cache import max_bytes_from_env
+
+        jax.config.update("jax_compilation_cache_max_size", max_bytes_from_env())
     _enabled = str(path)
     return path

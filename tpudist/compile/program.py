@@ -7,10 +7,11 @@ early). Every call crosses the boundary without copies (``boundary``), runs the 
 waits for it (inputs may be freed or resized by FSDP2 right after), then returns torch views of
 XLA's result buffers, each in the dtype ``node.meta["val"]`` records.
 
-Programs are cached in memory by :class:`GraphKey` (the graph's code, its input shapes and dtypes,
-its constants and the collective groups it names) and on disk twice: JAX's persistent compilation
-cache (``tpudist.jax_cache``), and, for single-device programs, the serialized executable itself
-under ``<cache dir>/compile``, so a second process skips tracing as well as XLA.
+Programs are cached in memory by their key (the graph's code, its input shapes and dtypes, its
+constants and the collective groups it names) and on disk twice: the traced program as a
+``jax.export`` module in tpudist's program cache (``tpudist.program_cache``; programs without
+collectives, whose module names no device: any process or host that would trace the same graph
+reads it instead), and XLA's executable in JAX's persistent compilation cache (``tpudist.jax_cache``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import logging
 import math
 import operator
 import os
-import pickle
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,9 +43,10 @@ class Stats:
     """What the backend did in this process (tests and benchmarks read it)."""
 
     graphs: int = 0  # GraphPrograms built (forward and backward count separately)
-    programs_compiled: int = 0  # XLA compilations (memory-cache misses that were not on disk)
+    programs_compiled: int = 0  # programs traced here (memory-cache misses the program cache lacked)
     memory_hits: int = 0
-    disk_hits: int = 0
+    disk_hits: int = 0  # traced programs read from the program cache
+    xla_compiles: int = 0  # XLA compilations JAX's persistent cache did not serve
     compile_seconds: float = 0.0  # tracing + lowering + XLA (or loading from disk)
     calls: int = 0
     # per program with collectives: (graph name, the XLA collective instructions its HLO holds)
@@ -53,7 +54,7 @@ class Stats:
 
     def snapshot(self) -> dict:
         return {k: getattr(self, k) for k in ("graphs", "programs_compiled", "memory_hits", "disk_hits",
-                                               "compile_seconds", "calls")}
+                                               "xla_compiles", "compile_seconds", "calls")}
 
 
 STATS = Stats()
@@ -72,8 +73,6 @@ def clear_cache() -> None:
 class _Executable:
     compiled: Any  # jax.stages.Compiled
     num_keys: int  # random keys the program draws (0: no torch RNG is consumed)
-    serializable: bool = True  # False when XLA's executable came out of JAX's own cache (see _compile)
-    from_disk: bool = False
 
 
 _jax_cache_hits = [0]
@@ -221,22 +220,18 @@ class GraphProgram:
             STATS.memory_hits += 1
             return exe
         start = time.perf_counter()
-        exe = self._load() if self._collectives is None and not self._on_device else None
-        if exe is not None:
-            STATS.disk_hits += 1
-        else:
-            exe = self._compile()
-            STATS.programs_compiled += 1
-            if self._collectives is None and not self._on_device:
-                self._store(exe)
+        exe = self._compile()
         STATS.compile_seconds += time.perf_counter() - start
         with _lock:
             _cache[self.key] = exe
         return exe
 
     def _compile(self) -> _Executable:
+        """Traces the program (or reads it from the program cache) and compiles it."""
         import jax
+        from jax import export
 
+        from tpudist import program_cache
         from tpudist.ops import KeySource, keys
 
         num_keys = [0]
@@ -269,59 +264,42 @@ class GraphProgram:
             _count_jax_cache_hits()
             _listening.append(True)
         hits = _jax_cache_hits[0]
+        args = (key_aval, const_avals, *avals)
         with jax.enable_x64(True):
-            lowered = jax.jit(fn).lower(key_aval, const_avals, *avals)
-            compiled = lowered.compile(compiler_options=self._xla_options or None)
-        # An XLA:CPU executable loaded from JAX's persistent cache serializes without its compiled
-        # kernels ("Function ..._fusion not found" when the copy runs): only fresh ones go to disk.
-        serializable = _jax_cache_hits[0] == hits
+            traced = jax.jit(fn)
+            loaded = self._load_or_export(traced, args, num_keys) if self._collectives is None else None
+            if loaded is not None:
+                traced = jax.jit(loaded.exported.call)
+                num_keys[0] = loaded.meta.get("num_keys", num_keys[0])
+            if loaded is not None and loaded.from_cache:
+                STATS.disk_hits += 1
+            else:
+                STATS.programs_compiled += 1
+            compiled = traced.lower(*args).compile(compiler_options=self._xla_options or None)
+        if _jax_cache_hits[0] == hits:
+            STATS.xla_compiles += 1
         if self._collectives is not None:
             text = compiled.as_text()
             found = sorted({op for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                                           "collective-permute") if f" {op}(" in text or f"{op}-start(" in text})
             STATS.collective_programs.append((self.name, tuple(found)))
-        return _Executable(compiled, num_keys[0], serializable)
+        return _Executable(compiled, num_keys[0])
 
-    # -- the on-disk executable cache (single-device programs) ------------------------------------
-    def _path(self):
-        from tpudist.jax_cache import cache_dir
+    def _load_or_export(self, traced, args: tuple, num_keys: list):
+        """The traced program as a ``jax.export`` module, from tpudist's program cache where any
+        process or host stored it (the module names no device, the key no process-local part);
+        None for a program ``jax.export`` cannot serialize (host callbacks: runtime asserts)."""
+        from jax import export
 
-        base = cache_dir()
-        # A serialized executable names its device: one file per (graph, device).
-        return None if base is None else base / "compile" / f"{self.key}-{self._device.id}.pkl"
-
-    def _load(self) -> _Executable | None:
-        path = self._path()
-        if path is None or not path.exists():
-            return None
-        from jax.experimental import serialize_executable
+        from tpudist import program_cache
 
         try:
-            with open(path, "rb") as f:
-                payload, in_tree, out_tree, num_keys = pickle.load(f)
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                                 execution_devices=[self._device])
-        except Exception as e:  # noqa: BLE001 - a stale or partial file: compile again, say so
-            log.warning("tpudist.compile: ignoring unreadable cached program %s (%s)", path, e)
+            return program_cache.load_or_export("compile", self.key, lambda: export.export(traced)(*args),
+                                                lambda: {"num_keys": num_keys[0]})
+        except NotImplementedError as e:
+            if "host_callbacks" not in str(e):
+                raise
             return None
-        return _Executable(compiled, num_keys, from_disk=True)
-
-    def _store(self, exe: _Executable) -> None:
-        path = self._path()
-        if path is None or not exe.serializable:
-            return
-        from jax.experimental import serialize_executable
-
-        try:
-            payload, in_tree, out_tree = serialize_executable.serialize(exe.compiled)
-        except (ValueError, NotImplementedError) as e:
-            log.info("tpudist.compile: program %s not serializable (%s); JAX's cache still has it", self.name, e)
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            pickle.dump((payload, in_tree, out_tree, exe.num_keys), f)
-        os.replace(tmp, path)  # atomic: ranks compiling the same program race harmlessly
 
     # -- running ----------------------------------------------------------------------------------
     def _key_data(self) -> np.ndarray:
@@ -348,21 +326,9 @@ class GraphProgram:
         import jax
 
         key_data = self._key_data() if key_data is None else key_data
-        try:
-            outs = self._exe.compiled(key_data, self._consts(), *arrays)
-            jax.block_until_ready(outs)  # inputs (and temporaries in keep) are read by now
-            return outs
-        except jax.errors.JaxRuntimeError as e:
-            if not self._exe.from_disk:
-                raise
-            # A cached executable that does not run (written by an older tpudist): drop it, compile.
-            log.warning("tpudist.compile: cached program %s failed (%s); compiling it again", self._path(), e)
-            self._path().unlink(missing_ok=True)
-            self._exe = self._compile()
-            with _lock:
-                _cache[self.key] = self._exe
-            self._store(self._exe)
-            return self._run(arrays, key_data)
+        outs = self._exe.compiled(key_data, self._consts(), *arrays)
+        jax.block_until_ready(outs)  # inputs (and temporaries in keep) are read by now
+        return outs
 
     def __call__(self, args: list) -> list:
         import jax

@@ -1,0 +1,295 @@
+"""tpudist.program_cache: one store for traced programs, shareable by every process and host.
+
+Unit tests of the store (atomic writes under concurrent writers, corrupt and foreign entries,
+eviction at the size bound, fsspec URLs), then processes sharing one cache folder: two emulated
+hosts (separate processes, separate JAX runtimes) where the second traces and compiles nothing the
+first did, and the two ranks of one "tpu" world, where rank 1 traces nothing rank 0 traced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+
+from tpudist import program_cache
+from tpudist.program_cache import CacheEntryWarning, ProgramCache
+
+
+def _no_cache_warnings():
+    return warnings.catch_warnings(record=True)
+
+
+# -- the store ----------------------------------------------------------------------------------------
+def test_put_get_round_trip_and_counters(tmp_path):
+    cache = ProgramCache(tmp_path, max_bytes=1 << 20)
+    assert cache.get("compile-a") is None
+    assert cache.put("compile-a", b"\x00program bytes\xff", {"num_keys": 2})
+    entry = cache.get("compile-a")
+    assert entry.data == b"\x00program bytes\xff" and entry.meta == {"num_keys": 2}
+    assert cache.stats.snapshot() == {"hits": 1, "misses": 1, "writes": 1, "evictions": 0, "corrupt": 0,
+                                      "foreign": 0, "errors": 0}
+    assert [p.name for p in tmp_path.iterdir()] == ["compile-a.tpc"]  # no temporary file left behind
+
+
+def test_key_names_kind_and_changes_with_every_part():
+    a = program_cache.key_of("fused", ("graph", (2, 3), "float32"))
+    assert a.startswith("fused-") and a == program_cache.key_of("fused", ("graph", (2, 3), "float32"))
+    assert a != program_cache.key_of("fused", ("graph", (2, 4), "float32"))
+    assert a != program_cache.key_of("compile", ("graph", (2, 3), "float32"))
+    with pytest.raises(ValueError, match="kind='a/b' must be an identifier"):
+        program_cache.key_of("a/b", ())
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+def test_corrupt_entry_is_skipped_with_a_warning_and_rewritten(tmp_path, damage):
+    cache = ProgramCache(tmp_path, max_bytes=1 << 20)
+    cache.put("k", bytes(range(256)) * 40)
+    path = tmp_path / "k.tpc"
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[-100] ^= 0x01  # one bit of the payload
+    elif damage == "truncate":
+        raw = raw[: len(raw) // 2]  # what a non-atomic writer's reader could see
+    else:
+        raw = bytearray(b"not an entry at all")
+    path.write_bytes(bytes(raw))
+    with pytest.warns(CacheEntryWarning, match="skipping corrupt entry .*k.tpc"):
+        assert cache.get("k") is None
+    assert cache.stats.corrupt == 1 and cache.stats.misses == 1 and cache.stats.hits == 0
+    cache.put("k", b"fresh")
+    with _no_cache_warnings() as caught:
+        assert cache.get("k").data == b"fresh"
+    assert not [w for w in caught if issubclass(w.category, CacheEntryWarning)]
+
+
+def test_entry_of_other_versions_is_skipped_with_a_warning(tmp_path, monkeypatch):
+    cache = ProgramCache(tmp_path, max_bytes=1 << 20)
+    ours = program_cache.versions()
+    monkeypatch.setattr(program_cache, "versions", lambda: {**ours, "jaxlib": "0.0.1"})
+    cache.put("k", b"written by an older jaxlib")
+    monkeypatch.undo()
+    with pytest.warns(CacheEntryWarning, match=r"written by versions=.*'jaxlib': '0.0.1'"):
+        assert cache.get("k") is None
+    assert cache.stats.foreign == 1 and cache.stats.corrupt == 0
+
+
+def test_eviction_keeps_the_bound_and_removes_least_recently_used(tmp_path):
+    cache = ProgramCache(tmp_path, max_bytes=10_000)
+    for i in range(8):
+        cache.put(f"e{i}", bytes(1000))
+        os.utime(tmp_path / f"e{i}.tpc", (1000 + i, 1000 + i))  # e0 oldest, e7 newest
+    assert cache.stats.evictions == 0
+    cache.get("e0")  # read now: the most recently used
+    cache.put("e8", bytes(1000))
+    cache.put("e9", bytes(1000))  # each entry is 1000 bytes + its header: the 10th crosses the bound
+    assert cache.total_bytes() <= 10_000
+    kept = cache.keys()
+    assert "e0" in kept and "e9" in kept and "e1" not in kept, kept
+    assert cache.stats.evictions == 10 - len(kept) > 0
+    assert cache.total_bytes() <= 9_000 + 1100  # freed down to 90% of the bound once over
+
+
+def test_entry_larger_than_the_bound_is_not_stored(tmp_path):
+    cache = ProgramCache(tmp_path, max_bytes=500)
+    assert not cache.put("big", bytes(1000))
+    assert cache.keys() == [] and cache.stats.writes == 0
+
+
+def test_max_bytes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TPUDIST_CACHE_MAX_BYTES", "1.5K")
+    assert program_cache.max_bytes_from_env() == 1536
+    monkeypatch.setenv("TPUDIST_CACHE_MAX_BYTES", "2G")
+    assert program_cache.max_bytes_from_env() == 2 * 2**30
+    monkeypatch.setenv("TPUDIST_CACHE_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="TPUDIST_CACHE_MAX_BYTES='lots' is not a size"):
+        program_cache.max_bytes_from_env()
+
+
+def test_fsspec_memory_url():
+    pytest.importorskip("fsspec", reason="URL cache roots need fsspec")
+    cache = ProgramCache(f"memory://tpudist-test-{os.getpid()}/programs", max_bytes=5_000)
+    cache.put("a", b"payload", {"x": 1})
+    assert cache.get("a") == (b"payload", {"x": 1})
+    fs = cache._storage.fs  # noqa: SLF001
+    path = cache.location("a")
+    fs.pipe_file(path, fs.cat_file(path)[:-3])  # truncated
+    with pytest.warns(CacheEntryWarning, match="corrupt"):
+        assert cache.get("a") is None
+    for i in range(6):
+        cache.put(f"b{i}", bytes(1000))
+    assert cache.total_bytes() <= 5_000 and cache.stats.evictions > 0
+    assert not [n for n in fs.ls(cache._storage.path, detail=False) if ".tmp-" in n]  # noqa: SLF001
+
+
+def test_file_url_is_the_local_folder(tmp_path):
+    pytest.importorskip("fsspec", reason="URL cache roots need fsspec")
+    ProgramCache(f"file://{tmp_path}").put("a", b"x")
+    assert ProgramCache(tmp_path).get("a").data == b"x"
+
+
+# Writers rewrite one key with payloads of different sizes while a reader reads it: every read is
+# one whole payload (never half of one, never a corrupt entry).
+_WRITER = textwrap.dedent("""
+    import sys, time
+    from tpudist import program_cache
+    program_cache.versions = lambda: {"test": "1"}  # the store alone: no jax/torch import per process
+    root, me, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    cache = program_cache.ProgramCache(root, max_bytes=1 << 30)
+    for i in range(rounds):
+        cache.put("shared", bytes([me]) * (200_000 + 150_000 * me + i))
+    print(cache.stats.writes, cache.stats.errors)
+""")
+
+_READER = textwrap.dedent("""
+    import json, os, sys
+    from tpudist import program_cache
+    program_cache.versions = lambda: {"test": "1"}
+    root, stop = sys.argv[1], sys.argv[2]
+    cache = program_cache.ProgramCache(root, max_bytes=1 << 30)
+    seen = []
+    while not os.path.exists(stop) or len(seen) < 20:
+        entry = cache.get("shared")
+        if entry is not None:
+            data = entry.data
+            me = data[0]
+            assert data == bytes([me]) * len(data), "mixed payload"
+            seen.append((me, len(data)))
+    print(json.dumps({"reads": len(seen), "writers": sorted({m for m, _ in seen}), **cache.stats.snapshot()}))
+""")
+
+
+def test_concurrent_writers_and_a_reader_never_see_half_a_file(tmp_path):
+    root, stop = tmp_path / "cache", tmp_path / "stop"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    reader = subprocess.Popen([sys.executable, "-c", _READER, str(root), str(stop)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(root), str(me), "60"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for me in (1, 2, 3)]
+    try:
+        for w in writers:
+            out, err = w.communicate(timeout=120)
+            assert w.returncode == 0, err
+            assert out.split() == ["60", "0"], out
+        stop.touch()
+        out, err = reader.communicate(timeout=120)
+        assert reader.returncode == 0, err
+    finally:
+        for p in (*writers, reader):
+            if p.poll() is None:
+                p.kill()
+    got = json.loads(out)
+    assert got["corrupt"] == 0 and got["foreign"] == 0 and got["errors"] == 0, got
+    assert got["reads"] >= 20 and got["hits"] == got["reads"], got
+    assert [p.name for p in root.iterdir()] == ["shared.tpc"]  # every temporary file renamed into place
+
+
+# -- the jax.export layer -------------------------------------------------------------------------------
+def test_load_or_export_traces_once_and_skips_an_unreadable_module(tmp_path):
+    pytest.importorskip("flatbuffers", reason="jax.export serialization needs it")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    cache = ProgramCache(tmp_path, max_bytes=1 << 24)
+    traces = []
+
+    def export_fn():
+        def f(x):
+            traces.append(1)
+            return jnp.sin(x) * 2
+        return jax.export.export(jax.jit(f))(jax.ShapeDtypeStruct((3,), np.float32))
+
+    first = program_cache.load_or_export("test", ("sin2", 3), export_fn, lambda: {"traces": len(traces)}, cache=cache)
+    second = program_cache.load_or_export("test", ("sin2", 3), export_fn, cache=cache)
+    assert not first.from_cache and second.from_cache and len(traces) == 1
+    assert second.meta == {"traces": 1}
+    x = np.arange(3, dtype=np.float32)
+    np.testing.assert_allclose(np.asarray(second.exported.call(x)), np.sin(x) * 2, rtol=1e-6)
+
+    key = program_cache.key_of("test", ("sin2", 3))
+    cache.put(key, b"intact bytes, but no jax.export module")
+    with pytest.warns(CacheEntryWarning, match="cannot be read"):
+        third = program_cache.load_or_export("test", ("sin2", 3), export_fn, cache=cache)
+    assert not third.from_cache and len(traces) == 2 and cache.stats.corrupt == 1
+    assert program_cache.load_or_export("test", ("sin2", 3), export_fn, cache=cache).from_cache  # rewritten
+
+
+# -- emulated hosts sharing one cache folder ------------------------------------------------------------
+# One "host": a fresh process with its own JAX runtime compiling a model's forward and backward with
+# the tpu backend, and a device-independent program through load_or_export (the fused path's use).
+_HOST = textwrap.dedent("""
+    import json, torch, torch.nn.functional as F
+    import jax, jax.numpy as jnp, numpy as np
+    from jax import monitoring
+    from tpudist import program_cache
+    from tpudist.compile.program import STATS
+    from tpudist.training.model import ModelArgs, Transformer
+
+    events = {"hits": 0, "misses": 0}
+    monitoring.register_event_listener(lambda e, **_: events.__setitem__("hits", events["hits"] + 1)
+                                       if e == "/jax/compilation_cache/cache_hits" else None)
+    monitoring.register_event_listener(lambda e, **_: events.__setitem__("misses", events["misses"] + 1)
+                                       if e == "/jax/compilation_cache/cache_misses" else None)
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=8))
+    step = torch.compile(lambda t: F.cross_entropy(model(t).flatten(0, 1), t.flatten()), backend="tpu",
+                         fullgraph=True, dynamic=False)
+    loss = step(torch.randint(0, 64, (2, 8)))
+    loss.backward()
+    grad = model.output.weight.grad.norm().item()
+
+    from tpudist.jax_cache import enable_persistent_cache
+    enable_persistent_cache()
+    spec = jax.ShapeDtypeStruct((4, 4), np.float32)
+    loaded = program_cache.load_or_export("test_fused", ("matmul+tanh", (4, 4)),
+                                          lambda: jax.export.export(jax.jit(lambda a: jnp.tanh(a @ a)))(spec))
+    fused = jax.jit(loaded.exported.call)(np.eye(4, dtype=np.float32)).tolist()
+    print(json.dumps({"loss": loss.item(), "grad": grad, "fused": fused, "compile": STATS.snapshot(),
+                      "cache": program_cache.stats().snapshot(), "jax_cache": events}))
+""")
+
+
+def test_second_host_compiles_nothing_the_first_compiled(tmp_path):
+    pytest.importorskip("flatbuffers", reason="jax.export serialization needs it")
+    env = {**os.environ, "TPUDIST_CACHE_DIR": str(tmp_path / "shared"), "OMP_NUM_THREADS": "1"}
+    hosts = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _HOST], env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        hosts.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    first, second = hosts
+    # The first host traced the forward, the backward and the fused-like program, and compiled them.
+    assert first["compile"]["programs_compiled"] == 2 and first["cache"]["misses"] == 3, first
+    assert first["cache"]["writes"] == 3 and first["compile"]["xla_compiles"] == 2, first
+    # The second traced nothing (every module came from the program cache) and compiled nothing
+    # (every XLA executable came from JAX's persistent cache in the same root).
+    assert second["compile"]["programs_compiled"] == 0 and second["compile"]["disk_hits"] == 2, second
+    assert second["cache"]["misses"] == 0 and second["cache"]["hits"] == 3, second
+    assert second["compile"]["xla_compiles"] == 0 and second["jax_cache"]["misses"] == 0, second
+    assert second["jax_cache"]["hits"] >= 3, second
+    assert second["loss"] == first["loss"] and second["grad"] == first["grad"]
+    assert second["fused"] == first["fused"]
+
+
+def test_ranks_of_one_world_share_traced_programs(tmp_path):
+    """Rank 1 of a "tpu" world reads what rank 0 traced, and runs it on its own device; XLA's
+    executables are not shared across the ranks of one world on CPU (see docs/cache.md)."""
+    pytest.importorskip("flatbuffers", reason="jax.export serialization needs it")
+    import rank_fns_program_cache as fns
+    from tpudist.testing import RankPool
+
+    with RankPool(2, backend="tpu", timeout=240, env={"TPUDIST_CACHE_DIR": str(tmp_path / "shared")}) as pool:
+        results = pool.run(fns.compile_in_turn)
+    first, second = results
+    assert first["compile"]["programs_compiled"] == 2 and first["cache"]["misses"] == 3, first
+    assert second["compile"]["programs_compiled"] == 0 and second["compile"]["disk_hits"] == 2, second
+    assert second["cache"]["misses"] == 0 and second["cache"]["hits"] == 3, second
+    assert first["device"] != second["device"]
+    assert second["loss"] == first["loss"] and second["grad"] == first["grad"]
+    assert second["fused"] == [2 * v for v in first["fused"]]  # rank 1 runs rank 0's module on its own inputs

@@ -1,0 +1,41 @@
+"""Rank-side functions of tests/compile/test_program_cache.py: ranks of one world sharing a cache."""
+
+from __future__ import annotations
+
+
+def compile_in_turn():
+    """Rank 0 compiles a model's step and a fused-like program first; rank 1 after it, same programs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from tpudist import program_cache
+    from tpudist.compile.program import STATS
+    from tpudist.process_group import runtime
+    from tpudist.training.model import ModelArgs, Transformer
+
+    out = {}
+    for turn in range(dist.get_world_size()):
+        if turn == dist.get_rank():
+            torch.manual_seed(0)
+            model = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=8))
+            step = torch.compile(lambda t: F.cross_entropy(model(t).flatten(0, 1), t.flatten()), backend="tpu",
+                                 fullgraph=True, dynamic=False)
+            loss = step(torch.randint(0, 64, (2, 8)))
+            loss.backward()
+            device = runtime.current().local_device
+            spec = jax.ShapeDtypeStruct((4, 4), np.float32)
+            loaded = program_cache.load_or_export(
+                "test_fused", ("matmul+tanh", (4, 4)),
+                lambda: jax.export.export(jax.jit(lambda a: jnp.tanh(a @ a) * 0 + a))(spec))
+            x = jax.device_put(np.full((4, 4), dist.get_rank() + 1.0, np.float32), device)
+            fused = jax.jit(loaded.exported.call)(x)
+            assert fused.devices() == {device}, fused.devices()
+            out = {"loss": loss.item(), "grad": model.output.weight.grad.norm().item(),
+                   "fused": np.asarray(fused).ravel().tolist(), "device": str(device),
+                   "compile": STATS.snapshot(), "cache": program_cache.stats().snapshot()}
+        dist.barrier()
+    return out

@@ -1,0 +1,478 @@
+"""One program cache for tpudist, shareable by every process and host that compiles the same programs.
+
+The device's fused programs, the compile backend's graphs and the kernels are traced JAX programs.
+Tracing (interpreting hundreds of ATen ops through ``tpudist.ops``) is what a warm start spends
+most of its time on, and its result, a ``jax.export`` module (StableHLO), does not depend on the
+process, the device or the host that traced it. So it is kept here, keyed by what decides the
+program (graph, shapes, dtypes, options, library versions and tpudist's lowering sources), and
+any process of any host that would trace the same program reads it instead: the second host of a
+pod traces nothing the first traced.
+
+XLA's compile of a module is kept by JAX's persistent compilation cache (``tpudist.jax_cache``),
+in the same root. On XLA:CPU its key holds the device assignment and the process's topology and
+only JAX process 0 writes it, so compiled executables are shared between processes that run one
+device each in a world of their own (a single-process host, the next run), not across the ranks of
+one multi-process world; those compile the shared module themselves.
+
+Where: ``$TPUDIST_CACHE_DIR`` (default ``~/.cache/tpudist``), a path or, with ``fsspec``
+installed, any fsspec URL (``file://``, ``memory://``, ``s3://``, ...); entries live under
+``<root>/programs``. ``TPUDIST_CACHE_DIR=0`` turns every cache off. ``TPUDIST_CACHE_MAX_BYTES``
+bounds the entries' total size (default 8 GiB; ``K``/``M``/``G`` suffixes); past it the least
+recently used entries are removed.
+
+Entries are written to a temporary name in the same folder and renamed into place, so concurrent
+writers race harmlessly and a reader never opens half a file. Each carries a header (format,
+library versions, payload size and SHA-256): a corrupt entry, or one written by other versions,
+is skipped with a :class:`CacheEntryWarning` and recomputed (then overwritten).
+
+Example::
+
+    from tpudist import program_cache
+
+    exported, hit = program_cache.load_or_export(
+        "fused", (graph_key, shapes), lambda: jax.export.export(jitted)(*args))
+    program_cache.stats()  # CacheStats(hits=..., misses=..., writes=..., evictions=..., corrupt=...)
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"TPUDIST-PROGRAM\x01"  # the format; a new layout bumps the last byte
+_SUFFIX = ".tpc"
+_TMP_PREFIX = ".tmp-"
+_DEFAULT_MAX_BYTES = 8 * 2**30
+_STALE_TMP_SECONDS = 3600  # a temporary file this old was left by a writer that died
+_EVICT_TO = 0.9  # eviction frees down to this share of the bound, so the next puts do not scan again
+
+
+class CacheEntryWarning(UserWarning):
+    """A cache entry was skipped: corrupt, truncated, or written by other library versions."""
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """What one process's program cache did (tests and benchmarks read it)."""
+
+    hits: int = 0
+    misses: int = 0  # lookups that found no usable entry (the caller then traced the program)
+    writes: int = 0
+    evictions: int = 0  # entries this process removed to stay under the size bound
+    corrupt: int = 0  # entries skipped as unreadable (bad header, size or checksum)
+    foreign: int = 0  # entries skipped as written by other jax/jaxlib/torch/tpudist versions
+    errors: int = 0  # reads or writes the storage refused (the program was still built)
+
+    def snapshot(self) -> dict:
+        return asdict(self)
+
+
+class Entry(NamedTuple):
+    data: Any  # the stored bytes, or what ``get``'s ``parse`` made of them
+    meta: dict
+
+
+@functools.cache
+def versions() -> dict:
+    """The library versions an entry's program depends on: an entry with other ones is foreign."""
+    import jax
+    import jaxlib
+    import torch
+
+    import tpudist
+
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "torch": torch.__version__,
+            "tpudist": tpudist.__version__}
+
+
+def key_of(kind: str, parts: Any) -> str:
+    """The entry name of a program: ``kind`` (``"fused"``, ``"compile"``, ...) and a SHA-256 of
+    ``repr(parts)`` and :func:`versions`. ``parts`` must hold everything that decides the program
+    and nothing process-local that does not (a device id only where the program names it)."""
+    if not kind.isidentifier():
+        raise ValueError(f"kind={kind!r} must be an identifier (it starts the entry's file name)")
+    digest = hashlib.sha256(repr((sorted(versions().items()), parts)).encode()).hexdigest()
+    return f"{kind}-{digest[:40]}"
+
+
+def parse_bytes(text: str) -> int:
+    """``"8G"`` -> 8 * 2**30; plain integers are bytes."""
+    text = text.strip()
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(text[-1:].upper(), 1)
+    number = text[:-1] if scale != 1 else text
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise ValueError(f"TPUDIST_CACHE_MAX_BYTES={text!r} is not a size: write bytes or a number with "
+                         "K, M, G or T (e.g. 8G)") from None
+    if value <= 0:
+        raise ValueError(f"TPUDIST_CACHE_MAX_BYTES={text!r} must be positive; TPUDIST_CACHE_DIR=0 turns caching off")
+    return value
+
+
+def max_bytes_from_env() -> int:
+    value = os.environ.get("TPUDIST_CACHE_MAX_BYTES")
+    return _DEFAULT_MAX_BYTES if not value else parse_bytes(value)
+
+
+# -- storage: a local folder, or an fsspec filesystem ----------------------------------------------------
+class _Local:
+    """A folder of this machine (or a network filesystem mounted here)."""
+
+    def __init__(self, path: str):
+        self.path = Path(path).expanduser()
+
+    def join(self, name: str) -> str:
+        return str(self.path / name)
+
+    def read(self, name: str) -> bytes | None:
+        try:
+            return (self.path / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=_TMP_PREFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path / name)  # atomic within one folder, on NFS too
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def touch(self, name: str) -> None:
+        try:
+            os.utime(self.path / name)  # the access time eviction orders by
+        except OSError:  # removed meanwhile, or a read-only shared cache: not worth failing for
+            pass
+
+    def listing(self) -> list[tuple[str, int, float]]:
+        """(name, size, mtime) of every file, temporary ones included."""
+        out = []
+        try:
+            entries = list(os.scandir(self.path))
+        except FileNotFoundError:
+            return out
+        for e in entries:
+            try:
+                st = e.stat()
+            except FileNotFoundError:
+                continue
+            out.append((e.name, st.st_size, st.st_mtime))
+        return out
+
+    def remove(self, name: str) -> bool:
+        try:
+            (self.path / name).unlink()
+            return True
+        except FileNotFoundError:  # another process evicted it first
+            return False
+
+
+class _Fsspec:
+    """Any fsspec filesystem. Writes go to a temporary name and are moved into place (object
+    stores make each object visible whole anyway); the checksum catches what a backend does not."""
+
+    def __init__(self, url: str):
+        import fsspec
+
+        self.fs, self.path = fsspec.core.url_to_fs(url)
+        self.path = self.path.rstrip("/")
+        self.url = url
+
+    def join(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
+    def read(self, name: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self.join(name))
+        except FileNotFoundError:
+            return None
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        tmp = self.join(f"{_TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}")
+        self.fs.makedirs(self.path, exist_ok=True)
+        self.fs.pipe_file(tmp, data)
+        try:
+            self.fs.mv(tmp, self.join(name))
+        except BaseException:
+            self.fs.rm_file(tmp)
+            raise
+
+    def touch(self, name: str) -> None:
+        pass  # fsspec has no portable way to bump a time without rewriting: eviction goes by write time
+
+    def listing(self) -> list[tuple[str, int, float]]:
+        try:
+            infos = self.fs.ls(self.path, detail=True)
+        except FileNotFoundError:
+            return []
+        out = []
+        for info in infos:
+            if info.get("type") == "directory":
+                continue
+            modified = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
+            if hasattr(modified, "timestamp"):
+                modified = modified.timestamp()
+            out.append((info["name"].rstrip("/").rsplit("/", 1)[-1], int(info.get("size") or 0), float(modified)))
+        return out
+
+    def remove(self, name: str) -> bool:
+        try:
+            self.fs.rm_file(self.join(name))
+            return True
+        except FileNotFoundError:
+            return False
+
+
+def _storage(root: str) -> _Local | _Fsspec:
+    if "://" not in root:
+        return _Local(root)
+    try:
+        import fsspec  # noqa: F401
+    except ImportError:
+        raise ValueError(f"TPUDIST_CACHE_DIR={root!r} is a URL, which needs fsspec: pip install fsspec, "
+                         "or give a path (a network filesystem mounted on every host)") from None
+    from fsspec.implementations.local import LocalFileSystem
+
+    store = _Fsspec(root)
+    if isinstance(store.fs, LocalFileSystem):
+        return _Local(store.path)  # file://: atomic rename and utime, which fsspec does not promise
+    return store
+
+
+# -- the cache -----------------------------------------------------------------------------------------
+class ProgramCache:
+    """Bytes by key in a folder shared by every process that uses it (see the module docstring).
+
+    Args:
+        root: a path or an fsspec URL; entries live directly in it.
+        max_bytes: bound on the entries' total size; the least recently used go first.
+    """
+
+    def __init__(self, root: str | os.PathLike, max_bytes: int | None = None):
+        self.root = os.fspath(root)
+        self.max_bytes = max_bytes_from_env() if max_bytes is None else max_bytes
+        self._storage = _storage(self.root)
+        self.stats = CacheStats()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ProgramCache({self.root!r}, max_bytes={self.max_bytes})"
+
+    def location(self, key: str) -> str:
+        return self._storage.join(key + _SUFFIX)
+
+    def get(self, key: str, parse: Callable[[bytes], Any] | None = None) -> Entry | None:
+        """The entry stored under ``key``, or None (missing, corrupt or foreign: those warn).
+        ``parse`` turns the bytes into the entry's ``data``; an entry it raises on counts as corrupt."""
+        name = key + _SUFFIX
+        try:
+            raw = self._storage.read(name)
+        except OSError as e:
+            self._count("errors")
+            log.warning("tpudist.program_cache: cannot read %s (%s)", self.location(key), e)
+            raw = None
+        if raw is None:
+            self._count("misses")
+            return None
+        entry = self._decode(key, raw, parse)
+        if entry is None:
+            self._count("misses")
+            return None
+        self._storage.touch(name)
+        self._count("hits")
+        return entry
+
+    def put(self, key: str, data: bytes, meta: dict | None = None) -> bool:
+        """Stores ``data`` (and a small JSON-able ``meta``) under ``key``; False where the storage
+        refused (the caller has its program anyway: the cache is an optimisation)."""
+        blob = _encode(data, meta or {})
+        if len(blob) > self.max_bytes:
+            log.info("tpudist.program_cache: %s (%d bytes) exceeds the bound %d; not stored", key,
+                     len(blob), self.max_bytes)
+            return False
+        try:
+            self._storage.write_atomic(key + _SUFFIX, blob)
+        except OSError as e:
+            self._count("errors")
+            log.warning("tpudist.program_cache: cannot write %s (%s)", self.location(key), e)
+            return False
+        self._count("writes")
+        self.evict()
+        return True
+
+    def evict(self) -> int:
+        """Removes the least recently used entries until the total is within the bound (down to
+        90% of it once over); returns how many. Temporary files of writers that died go too."""
+        try:
+            listing = self._storage.listing()
+        except OSError as e:
+            self._count("errors")
+            log.warning("tpudist.program_cache: cannot list %s (%s)", self.root, e)
+            return 0
+        now = time.time()
+        entries, total = [], 0
+        for name, size, mtime in listing:
+            if name.startswith(_TMP_PREFIX):
+                if now - mtime > _STALE_TMP_SECONDS:
+                    self._storage.remove(name)
+            elif name.endswith(_SUFFIX):
+                entries.append((mtime, name, size))
+                total += size
+        if total <= self.max_bytes:
+            return 0
+        removed = 0
+        for _, name, size in sorted(entries):
+            if total <= self.max_bytes * _EVICT_TO:
+                break
+            if self._storage.remove(name):
+                removed += 1
+            total -= size
+        self._count("evictions", removed)
+        return removed
+
+    def total_bytes(self) -> int:
+        return sum(size for name, size, _ in self._storage.listing() if name.endswith(_SUFFIX))
+
+    def keys(self) -> list[str]:
+        return sorted(name[:-len(_SUFFIX)] for name, _, _ in self._storage.listing() if name.endswith(_SUFFIX))
+
+    def _count(self, field: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self.stats, field, getattr(self.stats, field) + n)
+
+    def _decode(self, key: str, raw: bytes, parse: Callable[[bytes], Any] | None) -> Entry | None:
+        where = self.location(key)
+        header, payload, problem = _split(raw)
+        if problem is None and header.get("versions") == versions() and parse is not None:
+            try:
+                payload = parse(payload)
+            except Exception as e:  # noqa: BLE001 - intact bytes the reader cannot use: rebuild, say so
+                problem = f"cannot be read ({type(e).__name__}: {e})"
+        if problem is not None:
+            self._count("corrupt")
+            warnings.warn(f"tpudist program cache: skipping corrupt entry {where}: {problem}; the program is "
+                          "rebuilt and the entry rewritten", CacheEntryWarning, stacklevel=3)
+            return None
+        ours = versions()
+        if header.get("versions") != ours:
+            self._count("foreign")
+            theirs = header.get("versions")
+            warnings.warn(f"tpudist program cache: skipping entry {where} written by versions={theirs}, "
+                          f"this process has {ours}; the program is rebuilt", CacheEntryWarning, stacklevel=3)
+            return None
+        return Entry(payload, header.get("meta", {}))
+
+
+def _encode(data: bytes, meta: dict) -> bytes:
+    header = json.dumps({"versions": versions(), "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                         "meta": meta}, sort_keys=True).encode()
+    return b"".join((_MAGIC, len(header).to_bytes(4, "big"), header, data))
+
+
+def _split(raw: bytes) -> tuple[dict, bytes, str | None]:
+    """(header, payload, None) or ({}, b"", what is wrong)."""
+    if not raw.startswith(_MAGIC):
+        return {}, b"", "not a tpudist program entry (or another format version)"
+    start = len(_MAGIC) + 4
+    size = int.from_bytes(raw[len(_MAGIC):start], "big")
+    try:
+        header = json.loads(raw[start:start + size])
+    except ValueError:
+        return {}, b"", "unreadable header"
+    payload = raw[start + size:]
+    if not isinstance(header, dict) or header.get("size") != len(payload):
+        return {}, b"", f"payload of {len(payload)} bytes, header says {header.get('size') if isinstance(header, dict) else '?'}"
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        return {}, b"", "checksum mismatch"
+    return header, payload, None
+
+
+# -- the process's cache, and the jax.export layer ----------------------------------------------------
+_default: list = []  # [ProgramCache | None] once resolved
+_default_lock = threading.Lock()
+
+
+def default_cache() -> ProgramCache | None:
+    """The process's cache at ``<TPUDIST_CACHE_DIR>/programs`` (None when caching is off), built on
+    first use from the environment; :func:`reset` makes the next call read it again."""
+    if _default:
+        return _default[0]
+    with _default_lock:
+        if not _default:
+            from tpudist.jax_cache import cache_root
+
+            root = cache_root()
+            _default.append(None if root is None else ProgramCache(_join(root, "programs")))
+    return _default[0]
+
+
+def reset() -> None:
+    """Forget the process's cache (tests that change ``TPUDIST_CACHE_DIR``)."""
+    with _default_lock:
+        _default.clear()
+
+
+def stats() -> CacheStats:
+    """The process's cache counters (all zero when caching is off)."""
+    cache = default_cache()
+    return CacheStats() if cache is None else cache.stats
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}" if "://" in root else str(Path(root) / name)
+
+
+@functools.cache
+def _can_serialize() -> bool:
+    """``jax.export`` serialization needs ``flatbuffers``."""
+    import importlib.util
+
+    return importlib.util.find_spec("flatbuffers") is not None
+
+
+class Loaded(NamedTuple):
+    exported: Any  # jax.export.Exported
+    meta: dict
+    from_cache: bool
+
+
+def load_or_export(kind: str, key_parts: Any, export_fn: Callable[[], Any],
+                   meta_fn: Callable[[], dict] | None = None, *,
+                   cache: ProgramCache | None = None) -> Loaded:
+    """The ``jax.export`` module of a program: read from the cache, or ``export_fn()`` (which traces
+    it) and stored. ``meta_fn()``, called after ``export_fn``, adds what the caller must know to run
+    the module (e.g. how many random keys it draws); it comes back as ``meta``.
+
+    ``key_parts`` must decide the program (see :func:`key_of`). An entry that does not deserialize
+    counts as corrupt: it is traced again and overwritten. Errors of ``export_fn`` propagate.
+    """
+    from jax import export
+
+    cache = default_cache() if cache is None else cache
+    if cache is None or not _can_serialize():
+        exported = export_fn()
+        return Loaded(exported, meta_fn() if meta_fn else {}, False)
+    key = key_of(kind, key_parts)
+    entry = cache.get(key, lambda data: export.deserialize(bytearray(data)))
+    if entry is not None:
+        return Loaded(entry.data, entry.meta, True)
+    exported = export_fn()
+    meta = meta_fn() if meta_fn else {}
+    cache.put(key, bytes(exported.serialize()), meta)
+    return Loaded(exported, meta, False)
