@@ -503,6 +503,46 @@ def test_batch_norm_lowerings_match_cpu():
         assert compare(op(*args), run_on_jax(op, *args, jit=False), atol=1e-5) is None, (train, mask)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sync_batch_norm_pieces_equal_batch_norm_over_the_union(dtype):
+    """SyncBatchNorm's ops (CUDA-only in torch, so no CPU kernel to compare with) over two uneven parts
+    of one batch, put together as SyncBatchNorm does: the statistics, output and gradients of CPU
+    BatchNorm over the whole batch."""
+    x, dy = _t(5, 3, 4) * 2 + 1, _t(5, 3, 4)
+    w, b = _t(3, low=0.5, high=1.5), _t(3)
+    parts = (slice(0, 2), slice(2, 5))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    jx = lambda op, *args: run_on_jax(op, *args, jit=False)  # noqa: E731 - CPU tensors back
+    stats = [jx(aten.batch_norm_stats.default, x[s].to(dtype), 1e-5) for s in parts]
+    assert all(m.dtype == torch.float32 for m, _ in stats)  # CUDA: statistics in the accumulation type
+    mean_all, invstd_all = (torch.stack(v) for v in zip(*stats))
+    counts = torch.tensor([8.0, 12.0])
+    mean, invstd = jx(aten.batch_norm_gather_stats_with_counts.default, x.to(dtype), mean_all, invstd_all,
+                      None, None, 0.1, 1e-5, counts)
+    mean2, invstd2 = jx(aten.batch_norm_gather_stats.default, x.to(dtype), mean_all[:1], invstd_all[:1],
+                        None, None, 0.1, 1e-5, 8)
+    torch.testing.assert_close((mean2, invstd2), stats[0])
+
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    out_ref = torch.nn.functional.batch_norm(xr, None, None, wr, br, training=True)
+    out_ref.backward(dy)
+    torch.testing.assert_close(mean, x.mean((0, 2)), **tol)
+    torch.testing.assert_close(invstd, x.var((0, 2), unbiased=False).add(1e-5).rsqrt(), **tol)
+    out = torch.cat([jx(aten.batch_norm_elemt.default, x[s].to(dtype), w.to(dtype), b.to(dtype), mean, invstd,
+                        1e-5) for s in parts])
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), out_ref.detach(), **tol)
+    reduced = [jx(aten.batch_norm_backward_reduce.default, dy[s].to(dtype), x[s].to(dtype), mean, invstd,
+                  w.to(dtype), True, True, True) for s in parts]
+    sum_dy, sum_dy_xmu, grad_w, grad_b = (sum(v) for v in zip(*reduced))
+    torch.testing.assert_close(grad_w.float(), wr.grad, **tol)
+    torch.testing.assert_close(grad_b.float(), br.grad, **tol)
+    count = torch.tensor([8, 12], dtype=torch.int32)
+    grad_x = torch.cat([jx(aten.batch_norm_backward_elemt.default, dy[s].to(dtype), x[s].to(dtype), mean, invstd,
+                           w.to(dtype), sum_dy, sum_dy_xmu, count) for s in parts])
+    torch.testing.assert_close(grad_x.float(), xr.grad, **tol)
+
+
 def run_all_cases():
     """Every hand-written case, for the coverage check in test_ops_opinfo (pytest runs them one by one)."""
     for case in DIRECT:
@@ -522,6 +562,7 @@ def run_all_cases():
         test_fused_gru_cell_and_backward_match_cpu(bias)
     test_polar_and_complex_match_cpu()
     test_batch_norm_lowerings_match_cpu()
+    test_sync_batch_norm_pieces_equal_batch_norm_over_the_union(torch.float32)
     for op, failing, passing, message in _ASSERT_CASES:
         test_assertions_raise_as_torch_does_concrete_and_traced(op, failing, passing, message)
     _run_nn_extra_cases()

@@ -6,8 +6,9 @@ namespace, gets our kernel directly: structured ops do not detour through ``.out
 install (``tpudist.kernels``) are registered as they arrive; anything else reaches the same kernel
 through the PrivateUse1 fallback.
 
-Two registrations make module semantics match CUDA's: ``native_batch_norm`` runs as its correctly
-declared twins (its schema hides the running-statistics update), and ``_has_compatible_shallow_copy_type``
+Three registrations make module semantics match CUDA's: ``native_batch_norm`` runs as its correctly
+declared twins and SyncBatchNorm's ``batch_norm_gather_stats_with_counts`` writes the running
+statistics (both schemas hide that update), and ``_has_compatible_shallow_copy_type``
 counts tpu tensors as dense, so ``module.to("tpu")`` moves parameters in place (tied weights stay tied).
 """
 
@@ -177,6 +178,26 @@ def native_batch_norm_out(input, weight, bias, running_mean, running_var, traini
     return out, save_mean, save_invstd
 
 
+def batch_norm_gather_stats_with_counts(input, mean_all, invstd_all, running_mean, running_var, momentum, eps,
+                                        counts):
+    """SyncBatchNorm's combination of every rank's statistics, with the running-statistics update that
+    CUDA's kernel makes in place and the schema (``Tensor? running_mean``, no ``(a!)``) does not declare:
+    the global (mean, invstd) from the lowering, then CUDA's update with the unbiased variance of the
+    union of the ranks' batches."""
+    op = aten.batch_norm_gather_stats_with_counts.default
+    mean, invstd = core.execute(op, (input, mean_all, invstd_all, running_mean, running_var, momentum, eps,
+                                     counts), {})
+    if running_mean is not None or running_var is not None:
+        with torch.no_grad():
+            if running_mean is not None:
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            if running_var is not None:
+                total = counts.sum()
+                unbiased = (invstd.pow(-2) - eps) * total / (total - 1)
+                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+    return mean, invstd
+
+
 def _kind(x):
     return "None" if x is None else f"Tensor{tuple(x.shape)}"
 
@@ -203,6 +224,7 @@ _SPECIAL = {
     aten.record_stream.default: record_stream,
     aten.native_batch_norm.default: native_batch_norm,
     aten.native_batch_norm.out: native_batch_norm_out,
+    aten.batch_norm_gather_stats_with_counts.default: batch_norm_gather_stats_with_counts,
     **{inplace: _inplace_view(view) for inplace, view in (
         (aten.as_strided_.default, aten.as_strided.default), (aten.transpose_.default, aten.transpose.int),
         (aten.t_.default, aten.t.default), (aten.squeeze_.default, aten.squeeze.default),
