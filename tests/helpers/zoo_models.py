@@ -82,7 +82,21 @@ def hf_t5():
     return model, batches, _hf_loss
 
 
-HF_FAMILIES = {"hf_llama": hf_llama, "hf_gpt2": hf_gpt2, "hf_bert": hf_bert, "hf_t5": hf_t5}
+def hf_mixtral():
+    """Mixture of experts: top-2 routing, the experts through torch's grouped matmul (transformers
+    calls ``_grouped_mm`` on "tpu" tensors of any dtype), the router's load-balancing loss included."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)
+    model = MixtralForCausalLM(cfg)
+    batches = [dict(input_ids=_tokens(s), labels=_tokens(s)) for s in range(STEPS)]
+    return model, batches, _hf_loss
+
+
+HF_FAMILIES = {"hf_llama": hf_llama, "hf_gpt2": hf_gpt2, "hf_bert": hf_bert, "hf_t5": hf_t5,
+               "hf_mixtral": hf_mixtral}
 
 
 # -- torch.nn families ----------------------------------------------------------------------------------

@@ -543,6 +543,45 @@ def test_sync_batch_norm_pieces_equal_batch_norm_over_the_union(dtype):
     torch.testing.assert_close(grad_x.float(), xr.grad, **tol)
 
 
+_GROUPED = [  # (self, mat2, offs): torch's four forms; 8-wide rows (its CPU kernel wants 16-byte strides)
+    ((10, 8), (3, 8, 8), [3, 7, 10]), ((10, 8), (3, 8, 8), [0, 7, 7]), ((3, 5, 8), (8, 24), [8, 16, 24]),
+    ((8, 24), (24, 8), [8, 16, 24]), ((3, 6, 8), (3, 8, 8), None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shapes", _GROUPED, ids=lambda c: f"{len(c[0])}d_{len(c[1])}d_{c[2]}")
+def test_grouped_mm_matches_cpu(shapes, dtype):
+    """Every form of the MoE grouped matmul, empty groups and rows past the last offset included
+    (unwritten by torch's CPU kernel: compared where torch defines them, zero here)."""
+    a_shape, b_shape, offs = shapes
+    a, b = _t(*a_shape).to(dtype), _t(*b_shape).to(dtype)
+    offs = None if offs is None else torch.tensor(offs, dtype=torch.int32)
+    expected = torch._grouped_mm(a, b, offs=offs)
+    actual = run_on_jax(aten._grouped_mm.default, a, b, offs, jit=False)
+    assert actual.dtype == dtype and actual.shape == expected.shape
+    if len(a_shape) == 2 and len(b_shape) == 3:
+        end = int(offs[-1])
+        assert not actual[end:].any()
+        expected, actual = expected[:end], actual[:end]
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_grouped_mm_fallback_lowering():
+    """Hugging Face's opaque stand-in for the grouped matmul (compiled on CPU tensors when the weights
+    are not bf16) and its backward, found by name, against their own CPU implementations."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+    import transformers.integrations.moe  # noqa: F401 - defines torch.ops.transformers.*
+
+    x, w, dy = _t(10, 8), _t(3, 8, 6), _t(10, 6)
+    offs = torch.tensor([3, 3, 9], dtype=torch.int32)
+    forward = torch.ops.transformers.grouped_mm_fallback.default
+    backward = torch.ops.transformers.grouped_mm_fallback_backward.default
+    assert lowering_for(forward) is not None and lowering_for(backward) is not None
+    torch.testing.assert_close(run_on_jax(forward, x, w, offs, jit=False), forward(x, w, offs))
+    for got, want in zip(run_on_jax(backward, x, w, offs, dy, jit=False), backward(x, w, offs, dy)):
+        torch.testing.assert_close(got, want)
+
+
 def run_all_cases():
     """Every hand-written case, for the coverage check in test_ops_opinfo (pytest runs them one by one)."""
     for case in DIRECT:
@@ -563,6 +602,7 @@ def run_all_cases():
     test_polar_and_complex_match_cpu()
     test_batch_norm_lowerings_match_cpu()
     test_sync_batch_norm_pieces_equal_batch_norm_over_the_union(torch.float32)
+    test_grouped_mm_matches_cpu(_GROUPED[0], torch.float32)
     for op, failing, passing, message in _ASSERT_CASES:
         test_assertions_raise_as_torch_does_concrete_and_traced(op, failing, passing, message)
     _run_nn_extra_cases()

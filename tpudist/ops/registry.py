@@ -62,9 +62,41 @@ def on_register(listener: Callable[[torch._ops.OpOverload], None]) -> None:
         _LISTENERS.append(listener)
 
 
+_NAMED: dict[tuple[str, str], Lowering] = {}
+
+
+def lowers_named(qualified_name: str, overload: str = "default") -> Callable[[Lowering], Lowering]:
+    """Register the decorated function as the lowering of a third-party op that may not exist yet
+    (``"transformers::grouped_mm_fallback"``: defined when that library's module is imported); it is
+    found by name when a graph holding the op is compiled."""
+
+    def register(fn: Lowering) -> Lowering:
+        _NAMED[(qualified_name, overload)] = fn
+        return fn
+
+    return register
+
+
 def lowering_for(op) -> Lowering | None:
-    """The lowering registered for this overload, or None."""
-    return _TABLE.get(op)
+    """The lowering registered for this overload (or for its name, see :func:`lowers_named`), or None."""
+    fn = _TABLE.get(op)
+    if fn is None and _NAMED and isinstance(op, torch._ops.OpOverload):  # noqa: SLF001
+        fn = _NAMED.get((op._schema.name, op._overloadname))  # noqa: SLF001
+    return fn
+
+
+_LOWERING_SHAPES: set = set()
+
+
+def shapes_from_lowering(*ops) -> None:
+    """Mark ``ops`` whose torch meta kernel is stricter than torch's CPU kernel (``_grouped_mm``'s
+    meta demands CUDA's bf16; the CPU kernel takes any float): the device reads their result shapes
+    and dtypes off the lowering instead of running that meta kernel."""
+    _LOWERING_SHAPES.update(overload for op in ops for overload in _overloads(op))
+
+
+def uses_lowering_shapes(op) -> bool:
+    return op in _LOWERING_SHAPES
 
 
 def lowered_ops() -> list:
