@@ -268,7 +268,8 @@ class ProgramCache:
         self.root = os.fspath(root)
         self.max_bytes = max_bytes_from_env() if max_bytes is None else max_bytes
         self._storage = _storage(self.root)
-        self.stats = CacheStats()
+        self.stats = CacheStats()  # every kind of entry
+        self.by_kind: dict[str, CacheStats] = {}  # "fused", "compile", "collective", ...
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -277,25 +278,26 @@ class ProgramCache:
     def location(self, key: str) -> str:
         return self._storage.join(key + _SUFFIX)
 
-    def get(self, key: str, parse: Callable[[bytes], Any] | None = None) -> Entry | None:
+    def get(self, key: str, parse: Callable[[bytes, dict], Any] | None = None) -> Entry | None:
         """The entry stored under ``key``, or None (missing, corrupt or foreign: those warn).
-        ``parse`` turns the bytes into the entry's ``data``; an entry it raises on counts as corrupt."""
+        ``parse(data, meta)`` turns the bytes into the entry's ``data``; an entry it raises on is
+        skipped as corrupt."""
         name = key + _SUFFIX
         try:
             raw = self._storage.read(name)
         except OSError as e:
-            self._count("errors")
+            self._count("errors", key=key)
             log.warning("tpudist.program_cache: cannot read %s (%s)", self.location(key), e)
             raw = None
         if raw is None:
-            self._count("misses")
+            self._count("misses", key=key)
             return None
         entry = self._decode(key, raw, parse)
         if entry is None:
-            self._count("misses")
+            self._count("misses", key=key)
             return None
         self._storage.touch(name)
-        self._count("hits")
+        self._count("hits", key=key)
         return entry
 
     def put(self, key: str, data: bytes, meta: dict | None = None) -> bool:
@@ -309,10 +311,10 @@ class ProgramCache:
         try:
             self._storage.write_atomic(key + _SUFFIX, blob)
         except OSError as e:
-            self._count("errors")
+            self._count("errors", key=key)
             log.warning("tpudist.program_cache: cannot write %s (%s)", self.location(key), e)
             return False
-        self._count("writes")
+        self._count("writes", key=key)
         self.evict()
         return True
 
@@ -352,26 +354,29 @@ class ProgramCache:
     def keys(self) -> list[str]:
         return sorted(name[:-len(_SUFFIX)] for name, _, _ in self._storage.listing() if name.endswith(_SUFFIX))
 
-    def _count(self, field: str, n: int = 1) -> None:
+    def _count(self, field: str, n: int = 1, key: str | None = None) -> None:
         with self._lock:
             setattr(self.stats, field, getattr(self.stats, field) + n)
+            if key is not None:
+                kind = self.by_kind.setdefault(key.split("-", 1)[0], CacheStats())
+                setattr(kind, field, getattr(kind, field) + n)
 
-    def _decode(self, key: str, raw: bytes, parse: Callable[[bytes], Any] | None) -> Entry | None:
+    def _decode(self, key: str, raw: bytes, parse: Callable[[bytes, dict], Any] | None) -> Entry | None:
         where = self.location(key)
         header, payload, problem = _split(raw)
         if problem is None and header.get("versions") == versions() and parse is not None:
             try:
-                payload = parse(payload)
+                payload = parse(payload, header.get("meta", {}))
             except Exception as e:  # noqa: BLE001 - intact bytes the reader cannot use: rebuild, say so
                 problem = f"cannot be read ({type(e).__name__}: {e})"
         if problem is not None:
-            self._count("corrupt")
+            self._count("corrupt", key=key)
             warnings.warn(f"tpudist program cache: skipping corrupt entry {where}: {problem}; the program is "
                           "rebuilt and the entry rewritten", CacheEntryWarning, stacklevel=3)
             return None
         ours = versions()
         if header.get("versions") != ours:
-            self._count("foreign")
+            self._count("foreign", key=key)
             theirs = header.get("versions")
             warnings.warn(f"tpudist program cache: skipping entry {where} written by versions={theirs}, "
                           f"this process has {ours}; the program is rebuilt", CacheEntryWarning, stacklevel=3)
@@ -428,10 +433,13 @@ def reset() -> None:
         _default.clear()
 
 
-def stats() -> CacheStats:
-    """The process's cache counters (all zero when caching is off)."""
+def stats(kind: str | None = None) -> CacheStats:
+    """The process's cache counters, of every entry or of one kind's (``"fused"``, ``"compile"``,
+    ``"collective"``); all zero when caching is off."""
     cache = default_cache()
-    return CacheStats() if cache is None else cache.stats
+    if cache is None:
+        return CacheStats()
+    return cache.stats if kind is None else cache.by_kind.get(kind, CacheStats())
 
 
 def _join(root: str, name: str) -> str:
@@ -447,9 +455,17 @@ def _can_serialize() -> bool:
 
 
 class Loaded(NamedTuple):
-    exported: Any  # jax.export.Exported
+    exported: Any  # jax.export.Exported, or None: jit the program as it is (see load_or_export)
     meta: dict
     from_cache: bool
+
+
+def _unexportable(e: Exception) -> bool:
+    """Whether ``jax.export`` refused a program it traced: host callbacks (runtime asserts), or
+    custom calls without compatibility guarantees. Errors of the tracing itself are not these."""
+    text = str(e)
+    return ((isinstance(e, NotImplementedError) and "host_callbacks" in text)
+            or (isinstance(e, ValueError) and "custom calls whose targets have no compatibility" in text))
 
 
 def load_or_export(kind: str, key_parts: Any, export_fn: Callable[[], Any],
@@ -460,19 +476,88 @@ def load_or_export(kind: str, key_parts: Any, export_fn: Callable[[], Any],
     the module (e.g. how many random keys it draws); it comes back as ``meta``.
 
     ``key_parts`` must decide the program (see :func:`key_of`). An entry that does not deserialize
-    counts as corrupt: it is traced again and overwritten. Errors of ``export_fn`` propagate.
+    counts as corrupt: it is traced again and overwritten. ``exported`` is None, and ``export_fn``
+    not called or its module dropped, where the caller should jit the program itself: caching is
+    off, ``flatbuffers`` (which serialization needs) is missing, or ``jax.export`` refuses the
+    program (host callbacks, custom calls without compatibility guarantees). Other errors of
+    ``export_fn`` propagate.
     """
     from jax import export
 
     cache = default_cache() if cache is None else cache
     if cache is None or not _can_serialize():
-        exported = export_fn()
-        return Loaded(exported, meta_fn() if meta_fn else {}, False)
+        return Loaded(None, {}, False)
     key = key_of(kind, key_parts)
-    entry = cache.get(key, lambda data: export.deserialize(bytearray(data)))
+    entry = cache.get(key, lambda data, meta: export.deserialize(bytearray(data)))
     if entry is not None:
         return Loaded(entry.data, entry.meta, True)
-    exported = export_fn()
+    try:
+        exported = export_fn()
+    except (NotImplementedError, ValueError) as e:
+        if not _unexportable(e):
+            raise
+        log.info("tpudist.program_cache: %s program not serializable, not cached (%s)", kind, str(e)[:200])
+        return Loaded(None, {}, False)
     meta = meta_fn() if meta_fn else {}
     cache.put(key, bytes(exported.serialize()), meta)
     return Loaded(exported, meta, False)
+
+
+# -- the XLA executable layer (programs over several processes' devices) ---------------------------------
+_jax_cache_hits = [0]
+
+
+@functools.cache
+def _listen_to_jax_cache() -> None:
+    import jax
+
+    def listener(event: str, **kwargs) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            _jax_cache_hits[0] += 1
+
+    jax.monitoring.register_event_listener(listener)
+
+
+def load_or_compile(kind: str, key_parts: Any, jitted: Any, args: tuple, devices: list, *,
+                    cache: ProgramCache | None = None) -> tuple[Any, bool]:
+    """An XLA executable of ``jitted`` for ``args`` (concrete or abstract arrays with shardings):
+    loaded from the cache onto ``devices`` (the device assignment, in the order of the program's
+    mesh), or compiled and stored; returns (the ``jax.stages.Compiled``, whether it was loaded).
+
+    For programs whose tracing is cheap next to XLA's compile, as the collectives' small
+    ``shard_map`` programs are (tracing 20-60 ms, compiling 100-220 ms, loading 2-3 ms: measured on
+    2 ranks, jax 0.10.2). ``key_parts`` must name the devices and the topology: an executable is
+    compiled for a device assignment. Unlike JAX's persistent cache on CPU, an entry written by one
+    process serves every process of the program (measured: rank 1 runs rank 0's all_reduce
+    executable). Only executables compiled here are stored: XLA:CPU serializes one that JAX's own
+    cache loaded without its kernels. Program outputs must be a flat tuple of arrays.
+    """
+    import jax
+    from jax.experimental import serialize_executable
+
+    cache = default_cache() if cache is None else cache
+    if cache is None:
+        return jitted.lower(*args).compile(), False
+    key = key_of(kind, key_parts)
+    in_tree = jax.tree.structure((tuple(args), {}))
+
+    def load(data: bytes, meta: dict) -> Any:
+        out_tree = jax.tree.structure(tuple(range(meta["num_outputs"])))
+        return serialize_executable.deserialize_and_load(data, in_tree, out_tree, execution_devices=devices)
+
+    entry = cache.get(key, load)
+    if entry is not None:
+        return entry.data, True
+    _listen_to_jax_cache()
+    hits = _jax_cache_hits[0]
+    compiled = jitted.lower(*args).compile()
+    num_outputs = compiled.out_tree.num_leaves
+    if (_jax_cache_hits[0] == hits and compiled.in_tree == in_tree
+            and compiled.out_tree == jax.tree.structure(tuple(range(num_outputs)))):
+        try:
+            payload, _, _ = serialize_executable.serialize(compiled)
+        except (ValueError, NotImplementedError, TypeError) as e:
+            log.info("tpudist.program_cache: %s not serializable (%s)", key, e)
+        else:
+            cache.put(key, bytes(payload), {"num_outputs": num_outputs})
+    return compiled, False

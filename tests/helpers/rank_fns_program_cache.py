@@ -35,6 +35,29 @@ def compile_in_turn():
             assert fused.devices() == {device}, fused.devices()
             out = {"loss": loss.item(), "grad": model[0].weight.grad.norm().item(),
                    "fused": np.asarray(fused).ravel().tolist(), "device": str(device),
-                   "compile": STATS.snapshot(), "cache": program_cache.stats().snapshot()}
+                   "compile": STATS.snapshot(),
+                   "cache": {k: program_cache.stats(k).snapshot() for k in ("compile", "test_fused")}}
         dist.barrier()
     return out
+
+
+def collectives():
+    """An all_reduce and an all_gather too large for the envelope exchange, and a small all_reduce;
+    the values, and how many XLA executables this rank compiled or read from the program cache."""
+    import torch
+    import torch.distributed as dist
+
+    from tpudist import program_cache
+    from tpudist.process_group.programs import cache_stats
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    big = torch.arange(50_000, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(big)
+    gathered = [torch.empty(50_000) for _ in range(n)]
+    dist.all_gather(gathered, torch.full((50_000,), float(rank)))
+    small = torch.tensor([rank + 1], dtype=torch.int64)
+    dist.all_reduce(small, op=dist.ReduceOp.MAX)
+    stats = cache_stats()
+    return {"big": big[:3].tolist(), "gathered": [g[-1].item() for g in gathered], "small": small.item(),
+            "xla_compiles": stats.xla_compiles, "xla_loaded": stats.xla_loaded,
+            "cache": program_cache.stats("collective").snapshot()}

@@ -268,7 +268,7 @@ class GraphProgram:
         with jax.enable_x64(True):
             traced = jax.jit(fn)
             loaded = self._load_or_export(traced, args, num_keys) if self._collectives is None else None
-            if loaded is not None:
+            if loaded is not None and loaded.exported is not None:
                 traced = jax.jit(loaded.exported.call)
                 num_keys[0] = loaded.meta.get("num_keys", num_keys[0])
             if loaded is not None and loaded.from_cache:
@@ -288,18 +288,13 @@ class GraphProgram:
     def _load_or_export(self, traced, args: tuple, num_keys: list):
         """The traced program as a ``jax.export`` module, from tpudist's program cache where any
         process or host stored it (the module names no device, the key no process-local part);
-        None for a program ``jax.export`` cannot serialize (host callbacks: runtime asserts)."""
+        its ``exported`` is None where the program is jitted as it is (see ``load_or_export``)."""
         from jax import export
 
         from tpudist import program_cache
 
-        try:
-            return program_cache.load_or_export("compile", self.key, lambda: export.export(traced)(*args),
-                                                lambda: {"num_keys": num_keys[0]})
-        except NotImplementedError as e:
-            if "host_callbacks" not in str(e):
-                raise
-            return None
+        return program_cache.load_or_export("compile", self.key, lambda: export.export(traced)(*args),
+                                            lambda: {"num_keys": num_keys[0]})
 
     # -- running ----------------------------------------------------------------------------------
     def _key_data(self) -> np.ndarray:
