@@ -582,6 +582,27 @@ def test_transformers_grouped_mm_fallback_lowering():
         torch.testing.assert_close(got, want)
 
 
+_NAN = float("nan")
+_TIED = [torch.tensor([[3.0, _NAN, 1.0, _NAN, 2.0], [1.0, 1.0, 1.0, 2.0, 2.0]]),
+         torch.tensor([[5, 1, 5, 1, 5, 1], [2, 2, 1, 1, 2, 1]]), torch.randint(0, 3, (4, 7), generator=g).float(),
+         torch.randint(0, 3, (2, 3, 6), generator=g).to(torch.bfloat16)]
+
+
+@pytest.mark.parametrize("x", _TIED, ids=["nan", "int_ties", "float_ties", "bf16_3d"])
+def test_median_and_mode_indices_match_cpu(x):
+    """Which of tied elements median, nanmedian and mode return, NaNs for the medians (the OpInfo
+    test compares values only): torch's CPU choices, on every dim."""
+    for d in range(x.ndim):
+        ops_ = [aten.median.dim, aten.nanmedian.dim] + ([aten.mode.default] if not x.isnan().any() else [])
+        for op in ops_:
+            for keepdim in (False, True):
+                expected, actual = op(x, d, keepdim), run_on_jax(op, x, d, keepdim, jit=False)
+                torch.testing.assert_close(actual[0], expected[0], equal_nan=True)
+                assert torch.equal(actual[1], expected[1]), (op, d, expected, actual)
+    for op in (aten.median.default, aten.nanmedian.default):
+        torch.testing.assert_close(run_on_jax(op, x, jit=False), op(x), equal_nan=True)
+
+
 def run_all_cases():
     """Every hand-written case, for the coverage check in test_ops_opinfo (pytest runs them one by one)."""
     for case in DIRECT:

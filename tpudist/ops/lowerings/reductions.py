@@ -281,6 +281,81 @@ def topk(x, k, dim=-1, largest=True, sorted=True):
     return jax.lax.slice_in_dim(values, 0, k, axis=d), jax.lax.slice_in_dim(idx, 0, k, axis=d)
 
 
+# -- median and mode: torch's CPU choices among ties, read off a stable sort -----------------------------
+# median takes the lower middle ((n - 1) // 2) of the stable order and, with any NaN in the slice, the
+# first NaN (a stable sort puts NaNs last, in order); nanmedian the lower middle of the values that
+# are not NaN; mode the smallest of the most frequent values, at its last position. (With NaNs in a
+# slice, torch's CPU mode picks its index in no rule we found; here NaNs count one each, and the index
+# is that value's last position, a NaN's too.)
+
+
+def _middle(x, d, ignore_nan):
+    values, idx = _sort(x, d, False)
+    n = x.shape[d]
+    nans = jnp.sum(jnp.isnan(x), axis=d, keepdims=True) if is_float(x) else jnp.zeros((), jnp.int32)
+    if ignore_nan:
+        k = jnp.maximum(n - nans - 1, 0) // 2  # all NaN: the first NaN, as torch
+    else:
+        k = jnp.where(nans > 0, n - nans, (n - 1) // 2)
+    k = jnp.broadcast_to(k, values.shape[:d] + (1,) + values.shape[d + 1:]).astype(jnp.int32)
+    return jnp.take_along_axis(values, k, axis=d), jnp.take_along_axis(idx, k, axis=d)
+
+
+def _median_dim(x, dim, keepdim, ignore_nan):
+    if not x.ndim:
+        return x, jnp.zeros((), jnp.int64)
+    d = dim_of(dim, x.ndim)
+    v, i = _middle(x, d, ignore_nan)
+    return (v, i) if keepdim else (jnp.squeeze(v, d), jnp.squeeze(i, d))
+
+
+@lowers(aten.median.dim)
+def median_dim(x, dim, keepdim=False):
+    return _median_dim(x, dim, keepdim, ignore_nan=False)
+
+
+@lowers(aten.nanmedian.dim)
+def nanmedian_dim(x, dim, keepdim=False):
+    return _median_dim(x, dim, keepdim, ignore_nan=True)
+
+
+@lowers(aten.median.default)
+def median(x):
+    return _median_dim(x.reshape(-1), 0, False, ignore_nan=False)[0]
+
+
+@lowers(aten.nanmedian.default)
+def nanmedian(x):
+    return _median_dim(x.reshape(-1), 0, False, ignore_nan=True)[0]
+
+
+@lowers(aten.mode.default)
+def mode(x, dim=-1, keepdim=False):
+    if not x.ndim:
+        return x, jnp.zeros((), jnp.int64)
+    d = dim_of(dim, x.ndim)
+    values, _ = _sort(x, d, False)
+    n = x.shape[d]
+    # the length of the run of equal values each sorted position belongs to
+    same_as_prev = jnp.concatenate([jnp.zeros_like(jax.lax.slice_in_dim(values, 0, 1, axis=d), jnp.bool_),
+                                    jax.lax.slice_in_dim(values, 1, n, axis=d) ==
+                                    jax.lax.slice_in_dim(values, 0, n - 1, axis=d)], axis=d)
+    run = jnp.cumsum(~same_as_prev, axis=d)  # 1-based run id
+    ones = jnp.ones(values.shape, jnp.int32)
+    counts = jnp.moveaxis(jax.vmap(lambda r, o: jax.ops.segment_sum(o, r, num_segments=n + 1), in_axes=0)(
+        jnp.moveaxis(run, d, -1).reshape(-1, n), jnp.moveaxis(ones, d, -1).reshape(-1, n)), -1, 0)
+    per_position = jnp.take_along_axis(counts.T.reshape(jnp.moveaxis(run, d, -1).shape[:-1] + (n + 1,)),
+                                       jnp.moveaxis(run, d, -1), axis=-1)
+    best = jnp.argmax(per_position, axis=-1, keepdims=True)  # first: the smallest value among the most frequent
+    v = jnp.take_along_axis(jnp.moveaxis(values, d, -1), best, axis=-1)
+    positions = jnp.arange(n)
+    xs = jnp.moveaxis(x, d, -1)
+    same = (xs == v) | (jnp.isnan(xs) & jnp.isnan(v)) if is_float(x) else xs == v
+    last = jnp.max(jnp.where(same, positions, -1), axis=-1, keepdims=True)
+    v, last = jnp.moveaxis(v, -1, d), jnp.moveaxis(last, -1, d).astype(jnp.int64)
+    return (v, last) if keepdim else (jnp.squeeze(v, d), jnp.squeeze(last, d))
+
+
 @lowers(aten.kthvalue.default)
 def kthvalue(x, k, dim=-1, keepdim=False):
     values, idx = _sort(x, dim, False)
