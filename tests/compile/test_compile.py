@@ -255,16 +255,22 @@ def test_missing_op_graph_break_option():
     torch.testing.assert_close(got, _with_mystery(x))
 
 
-def test_dynamic_shapes_error_names_the_dim():
+def test_automatic_dynamic_sizes_share_a_bucket():
+    """Dynamo's default goes dynamic on a second size: the backend pads it to a bucket (no error)."""
+    from tpudist.compile import dynamic
+
     def fn(x):
         return x * 2
 
-    compiled = torch.compile(fn, backend="tpu")  # default dynamic: Dynamo goes dynamic on a second size
-    compiled(torch.randn(4, 3))
-    with pytest.raises(Exception) as info:
-        compiled(torch.randn(5, 3))
-    text = str(info.value)
-    assert "dim 0" in text and "dynamic=False" in text and "buckets" in text, text
+    compiled = torch.compile(fn, backend="tpu")
+    before = dynamic.STATS.snapshot()
+    for n in (4, 5, 6, 9):
+        x = torch.randn(n, 3)
+        torch.testing.assert_close(compiled(x), fn(x))
+    after = dynamic.STATS.snapshot()
+    # size 4 compiled statically; 5, 6 and 9 share one padded program (dim 0 pads to 128)
+    assert after["padded_programs"] - before["padded_programs"] == 1, (before, after)
+    assert after["exact_programs"] == before["exact_programs"], (before, after)
 
 
 def test_bad_option():

@@ -8,6 +8,10 @@ Options (``torch.compile(..., options={...})``):
   eagerly in torch (with a warning), compiling the rest.
 - ``xla_options``: a dict of XLA compiler options for these programs only (e.g.
   ``{"xla_cpu_multi_thread_eigen": False}``), part of the program key.
+- ``buckets``: a :class:`tpudist.device.buckets.Buckets` for dynamic dims (``dynamic=True``,
+  ``mark_dynamic``, Dynamo's automatic dynamic): sizes pad up to a bucket where the graph allows it
+  (``tpudist.compile.dynamic``), one program per bucket. Default ``Buckets(max_length=1024)``
+  (multiples of 128); ``None``: one program per size.
 """
 
 from __future__ import annotations
@@ -20,33 +24,41 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from tpudist.compile.dynamic import DEFAULT_BUCKETS, DynamicGraph, is_dynamic
 from tpudist.compile.errors import MissingOpError, UnsupportedGraph, dynamo_sources, user_line
+from tpudist.device.buckets import Buckets
 
 _ON_MISSING = ("raise", "graph_break")
+_KNOWN = ("on_missing_op", "xla_options", "buckets")
 
 
 @dataclass(frozen=True, slots=True)
 class Options:
     on_missing_op: str = "raise"
     xla_options: tuple = ()  # sorted (name, value) pairs
+    buckets: Buckets | None = DEFAULT_BUCKETS
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "Options":
         options = dict(options or {})
-        unknown = sorted(set(options) - {"on_missing_op", "xla_options"})
+        unknown = sorted(set(options) - set(_KNOWN))
         if unknown:
             raise ValueError(f"torch.compile(backend='tpu') options {unknown} are not known; "
-                             "the backend takes: on_missing_op, xla_options")
+                             f"the backend takes: {', '.join(_KNOWN)}")
         value = options.get("on_missing_op", "raise")
         if value not in _ON_MISSING:
             raise ValueError(f"on_missing_op={value!r} must be one of {_ON_MISSING}")
         xla = options.get("xla_options") or {}
         if not isinstance(xla, dict):
             raise TypeError(f"xla_options={xla!r} must be a dict of XLA compiler option names to values")
-        return cls(on_missing_op=value, xla_options=tuple(sorted(xla.items())))
+        buckets = options.get("buckets", DEFAULT_BUCKETS)
+        if buckets is not None and not isinstance(buckets, Buckets):
+            raise TypeError(f"buckets={buckets!r} must be a tpudist.device.buckets.Buckets (e.g. "
+                            "Buckets(max_length=1024)) or None (one program per size)")
+        return cls(on_missing_op=value, xla_options=tuple(sorted(xla.items())), buckets=buckets)
 
     def as_dict(self) -> dict:
-        return {"on_missing_op": self.on_missing_op, "xla_options": dict(self.xla_options)}
+        return {"on_missing_op": self.on_missing_op, "xla_options": dict(self.xla_options), "buckets": self.buckets}
 
 
 def backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
@@ -57,14 +69,27 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None
         >>> step = torch.compile(loss_fn, backend="tpu", fullgraph=True, dynamic=False)  # doctest: +SKIP
         >>> torch.compile(fn, backend="tpu", options={"on_missing_op": "graph_break"})    # doctest: +SKIP
 
+    A graph with dynamic sizes becomes a :class:`tpudist.compile.dynamic.DynamicGraph`: static
+    programs compiled per call for the sizes it meets, padded to ``options["buckets"]`` where that
+    is safe (docs/compile_dynamic.md).
+
     Raises:
         MissingOpError: an op of the graph has no lowering (names the op and the model line).
-        UnsupportedGraph: dynamic shapes (names the input dim), inputs on another device, ...
+        UnsupportedGraph: inputs on another device, ...
     """
     opts = Options.from_dict(options)
     _lower_dynamo_prims()
     if mode not in (None, "default"):
         warnings.warn(f"torch.compile(backend='tpu') ignores mode={mode!r}", stacklevel=2)
+    check_devices(gm, example_inputs)
+    if is_dynamic(example_inputs):
+        return DynamicGraph(gm, example_inputs, functools.partial(_static, opts=opts), opts.buckets,
+                            name=_graph_name(gm))
+    return _static(gm, example_inputs, opts)
+
+
+def _static(gm: torch.fx.GraphModule, example_inputs: list, opts: Options):
+    """XLA programs for a graph of static shapes (forward, backward)."""
     check_static(gm, example_inputs)
     try:
         return _aot(gm, example_inputs, opts)
@@ -72,6 +97,11 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None
         if opts.on_missing_op != "graph_break":
             raise
         return _split(gm, example_inputs, e, opts)
+
+
+def _graph_name(gm: torch.fx.GraphModule) -> str:
+    inputs = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    return f"graph({', '.join(inputs[:4])}{', ...' if len(inputs) > 4 else ''})"
 
 
 @functools.cache
@@ -94,29 +124,36 @@ def _lower_dynamo_prims() -> None:
         return addcmul(c, a, b)
 
 
-def check_static(gm: torch.fx.GraphModule, example_inputs: list) -> None:
-    """ValueError naming the first dynamic input dimension: the backend compiles static shapes."""
+def check_devices(gm: torch.fx.GraphModule, example_inputs: list) -> None:
+    """UnsupportedGraph naming the first input on a device other than the CPU and "tpu"."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, x in zip(placeholders, example_inputs):
+        if isinstance(x, torch.Tensor) and x.device.type not in ("cpu", "tpu"):
+            raise UnsupportedGraph(
+                f"torch.compile(backend='tpu') takes CPU or 'tpu' device tensors: input {_source_name(node)} is on "
+                f"device={x.device}; move it with .cpu() or .to('tpu')")
+
+
+def check_static(gm: torch.fx.GraphModule, example_inputs: list) -> None:
+    """UnsupportedGraph naming the first dynamic input dimension of a graph the static path was given.
+
+    Dynamic graphs go to :class:`DynamicGraph`, which hands this path static graphs only: this is
+    the check that it did."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    advice = ("the backend compiles dynamic graphs through tpudist.compile.dynamic (one static program per "
+              "bucket or size); a dynamic size reaching the static path is a bug in it. Pass dynamic=False "
+              "to torch.compile to avoid dynamic graphs altogether")
     for node, x in zip(placeholders, example_inputs):
         source = _source_name(node)
         if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise UnsupportedGraph(
-                f"torch.compile(backend='tpu') needs static shapes: input {source} is dynamic ({x}); Dynamo made "
-                "it dynamic after seeing a second size. Pass dynamic=False to torch.compile (one program per "
-                "size), or pad that dim to a few fixed lengths (buckets: tpudist.device.buckets, or padding "
-                "with targets=-100)")
-        if isinstance(x, torch.Tensor) and x.device.type not in ("cpu", "tpu"):
-            raise UnsupportedGraph(
-                f"torch.compile(backend='tpu') takes CPU or 'tpu' device tensors: input {source} is on "
-                f"device={x.device}; move it with .cpu() or .to('tpu')")
+            raise UnsupportedGraph(f"torch.compile(backend='tpu'): input {source} is dynamic ({x}) in a static "
+                                   f"program; {advice}")
         if isinstance(x, torch.Tensor):
             for dim, size in enumerate(x.shape):
                 if isinstance(size, torch.SymInt) and not _is_concrete(size):
                     raise UnsupportedGraph(
-                        f"torch.compile(backend='tpu') needs static shapes: input {source} dim {dim} is dynamic "
-                        f"(size={size}, shape={tuple(x.shape)}); Dynamo made it dynamic after seeing a second "
-                        "size. Pass dynamic=False to torch.compile (one program per size), or pad that dim to "
-                        "a few fixed lengths (buckets: tpudist.device.buckets, or padding with targets=-100)")
+                        f"torch.compile(backend='tpu'): input {source} dim {dim} is dynamic (size={size}, "
+                        f"shape={tuple(x.shape)}) in a static program; {advice}")
 
 
 def _is_concrete(size) -> bool:
