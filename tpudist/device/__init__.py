@@ -16,6 +16,10 @@ Modes (``torch.tpu.set_eager_mode``; default "strict"):
   index_select, gather); optional NaN check (``torch.tpu.set_nan_check(True)``).
 - "strict": every op is its own cached XLA program, dispatched asynchronously.
 - "fused": ops are recorded and run as one cached XLA program at a sync point.
+
+Ints that change at the same place of an op (a decode position, a view's storage offset) become
+runtime inputs after their second value, so decoding compiles once (``set_dynamic_scalars``; env
+``TPUDIST_DYNAMIC_SCALARS=0`` turns it off; docs/decoding.md).
 """
 
 from __future__ import annotations
@@ -69,5 +73,7 @@ from tpudist.device._module import (  # noqa: E402
     cache_stats, eager_mode, get_eager_mode, set_cpu_fallback, set_eager_mode, set_nan_check, synchronize,
 )
 
-__all__ = ["cache_stats", "eager_mode", "get_eager_mode", "set_cpu_fallback", "set_eager_mode", "set_nan_check",
-           "synchronize"]
+from tpudist.device._runtime import dynamic_scalars, set_dynamic_scalars  # noqa: E402
+
+__all__ = ["cache_stats", "dynamic_scalars", "eager_mode", "get_eager_mode", "set_cpu_fallback",
+           "set_dynamic_scalars", "set_eager_mode", "set_nan_check", "synchronize"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import tpudist.ops as tops
 from tpudist.device import _runtime as rt
-from tpudist.device import views
+from tpudist.device import buckets, views
 from tpudist.device._debug import check_indices, check_nans
 from tpudist.device._storage import (  # noqa: F401  (re-exported: the kernels module uses them from here)
     _ATTR, Buffer, Lazy, _retype, buffer_of, flush, from_cpu, is_tpu, new_tensor, to_cpu, to_jax, to_torch,
@@ -111,6 +112,12 @@ class Kernel:
                 leaves.append(_weak(sc[base + spec[1]]).astype(tops.to_jax_dtype(spec[2])))
             elif kind == "I":
                 leaves.append(jnp.asarray(spec[1], tops.to_jax_dtype(spec[2])))
+            elif kind == "D":  # a generalised int: a runtime input (weak like a Python int, or the tensor's dtype)
+                value = sc[base + spec[1]]
+                leaves.append(_weak_int(value) if spec[2] is None else value.astype(tops.to_jax_dtype(spec[2])))
+            elif kind == "V":  # a view at a runtime storage offset
+                _, slot, sizes, strides, index, dtype = spec
+                leaves.append(_read_at(flats[slot], sizes, strides, _offset(sc[base + index]), dtype))
             else:
                 leaves.append(spec[1])
         args, kwargs = unflatten_args(leaves, self.treedef)
@@ -131,13 +138,13 @@ class Kernel:
             if self.present is not None:  # outputs torch returns as None (a backward's output_mask)
                 fresh = [r for r, keep in zip(fresh, self.present) if keep]
         else:
-            fresh = self._write(flats, (result,) if self.single else tuple(result))
+            fresh = self._write(flats, (result,) if self.single else tuple(result), sc, base)
         if len(fresh) != len(self.fresh):
             raise AssertionError(f"{self.op}: lowering returned {len(fresh)} tensors, torch {len(self.fresh)}")
         fresh = [_cast(r, shape, dtype).reshape(-1) for r, (shape, dtype) in zip(fresh, self.fresh)]
         return [flats[s] for s in self.written_slots] + fresh
 
-    def _write(self, flats, results):
+    def _write(self, flats, results, sc, base):
         """Write the functional twin's new values of the written arguments into their storages; the
         fresh results, flattened."""
         if len(results) != len(self.plan):
@@ -153,14 +160,45 @@ class Kernel:
                 raise AssertionError(f"{self.op}: {self.functional} returned {len(values)} values for "
                                      f"{len(targets)} written tensors")
             for leaf, v in zip(targets, values):
-                _, slot, sizes, strides, offset, dtype = self.leaf_specs[leaf]
+                kind, slot, sizes, strides, offset, dtype = self.leaf_specs[leaf]
                 v = _cast(v, sizes, dtype)
-                flats[slot] = views.write_as(flats[slot], v, sizes, strides, offset)
+                if kind == "V":
+                    flats[slot] = _write_at(flats[slot], v, sizes, strides, _offset(sc[base + offset]))
+                else:
+                    flats[slot] = views.write_as(flats[slot], v, sizes, strides, offset)
         return fresh
 
 
 def _weak(x):
     return _lax._convert_element_type(x, _F64, weak_type=True)  # noqa: SLF001
+
+
+def _weak_int(x):
+    return _lax._convert_element_type(x, np.dtype("int64"), weak_type=True)  # noqa: SLF001
+
+
+def _offset(x):
+    return x.astype(jnp.int64)
+
+
+def _extent(sizes, strides) -> int:
+    """Elements from a view's first to its last, plus one: what it covers of its storage."""
+    return 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
+
+
+def _read_at(flat, sizes, strides, offset, dtype):
+    """The view ``(sizes, strides)`` at a traced storage ``offset``: a dynamic slice of the elements it
+    spans, read as a view at offset 0. torch keeps a view inside its storage, so the slice never clamps."""
+    flat = views.reinterpret(flat, tops.to_jax_dtype(dtype))
+    window = jax.lax.dynamic_slice(flat, (offset,), (_extent(sizes, strides),))
+    return views.read(window, sizes, strides, 0)
+
+
+def _write_at(flat, value, sizes, strides, offset):
+    """``flat`` with the view ``(sizes, strides)`` at a traced ``offset`` replaced by ``value`` (same dtype)."""
+    window = jax.lax.dynamic_slice(flat, (offset,), (_extent(sizes, strides),))
+    window = views.write(window, value, sizes, strides, 0)
+    return jax.lax.dynamic_update_slice(flat, window, (offset,))
 
 
 def _cast(value, shape, dtype):
@@ -231,7 +269,10 @@ def _signature(op, args, kwargs, static_floats: bool):
                 if slot is None:
                     slot = slot_of[id(buf)] = len(buffers)
                     buffers.append(buf)
-                geometry = (slot, tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype)
+                sizes, strides = tuple(x.shape), tuple(x.stride())
+                if 1 in sizes:  # a size-1 dim's stride is never used: one key for x[:, -1:] of any length
+                    strides = tuple(0 if n == 1 else st for n, st in zip(sizes, strides))
+                geometry = (slot, sizes, strides, x.storage_offset(), x.dtype)
                 if x.is_conj() or x.is_neg():  # torch's conj fallback reaches us with the bit still set
                     sig.append(("B", *geometry, x.is_conj(), x.is_neg()))
                 else:
@@ -287,7 +328,7 @@ def _build(op, key, leaves):
             if sig[t][0] == "B":
                 raise tops.UnsupportedOp(op, " (writing through a lazily conjugated or negated view; "
                                              "call resolve_conj() / resolve_neg() first)")
-            if sig[t][0] != "T":
+            if sig[t][0] not in ("T", "V"):
                 raise _device_mismatch(op, leaves[t])
         # out= with a shape change: the meta kernel resized the meta out tensor
         resize = [(t, tuple(meta_leaves[t].shape)) for t in targets
@@ -314,7 +355,7 @@ def _build(op, key, leaves):
         present = tuple(m is not None for m in flat_meta)
         fresh = [(tuple(m.shape), m.dtype) for m in flat_meta if m is not None]
         returns = ("single", None) if isinstance(meta, torch.Tensor) else ("fresh", meta_def)
-    n_scalars = sum(1 for s in sig if s[0] in ("F", "C"))
+    n_scalars = sum(1 for s in sig if s[0] in _RUNTIME_KINDS)
     random = torch.Tag.nondeterministic_seeded in functional.tags
     specs = list(sig)
     kernel = Kernel(op, functional, form, treedef, specs, [(n, d) for n, d, _ in slots], plan,
@@ -472,9 +513,25 @@ def _hash_code(code) -> str:
 def kernel_for(op, args, kwargs):
     static = id(op) in _STATIC_FLOAT_OPS
     key, leaves, buffers, scalars = _signature(op, args, kwargs, static)
+    dynamic = rt.dynamic_scalars()
+    static_key, static_scalars = key, scalars
+    if dynamic and id(op) in _DYNAMIC_OPS:
+        site, values = _site_of(op, key)
+        entry = _SITES.get(site)
+        if entry is not None and entry.dynamic:
+            # an int at its first value stays a constant (the kernel the first call built): a second
+            # run then records the same kernels, and reuses the first run's programs
+            moved = frozenset(i for (i, v), (_, first) in zip(values, entry.first) if v != first and i in entry.dynamic)
+            general = _generalise(key, scalars, moved) if moved else None
+            if general is not None:
+                key, scalars = general
     kernel = _KERNELS.get(key)
     if kernel is None:
         rt.stats["misses"] += 1
+        if dynamic:
+            promoted = _promote(op, static_key, leaves, static_scalars)
+            if promoted is not None:
+                return promoted[0], leaves, buffers, promoted[1]
         try:
             kernel = _build(op, key, leaves)
         except _ResizeOut as e:
@@ -492,9 +549,250 @@ def kernel_for(op, args, kwargs):
             _STATIC_FLOAT_OPS.add(id(op))
             return kernel_for(op, args, kwargs)
         _KERNELS[key] = kernel
+        if dynamic and key is static_key:
+            site, values = _site_of(op, key)
+            if values and site not in _SITES:
+                _SITES[site] = _Site(values, kernel)
     else:
         rt.stats["hits"] += 1
     return kernel, leaves, buffers, scalars
+
+
+# -- automatic dynamic ints --------------------------------------------------------------------------
+#
+# An int the signature holds as a constant (a Python int argument of an int/Scalar parameter, a 0-dim
+# int CPU tensor, a view's storage offset) is compiled into the kernel. As Dynamo's automatic dynamic
+# does, the first value seen at a place (a "site": the signature with those ints left out) stays a
+# constant; when a second, different value arrives there, that int becomes a runtime input of the
+# kernel (in the float64 scalar vector, exact below 2**53) and every later value reuses the kernel.
+# An int that decides a shape (torch's meta kernel gives other result shapes for the two values) or
+# that a lowering needs as a Python value (JAX raises a concretization error while tracing) stays a
+# constant at that site.
+
+_SITES: dict = {}
+_HINTS: dict = {}
+_NEVER = object()  # a hinted site's "first value": no value stays a constant there
+_DYNAMIC_OPS: set = set()
+_ELIGIBLE: dict = {}
+_RUNTIME_KINDS = ("F", "C", "D", "V")
+_EXACT = 2 ** 53  # float64 holds every int below this exactly
+_NOT_RUNTIME_INTS = ("dtype", "layout", "memory_format")
+
+
+class _Site:
+    __slots__ = ("first", "kernel", "dynamic", "static")
+
+    def __init__(self, first, kernel):
+        self.first = first          # the ints' values at the first call, by candidate position
+        self.kernel = kernel        # the kernel built for them: its result shapes are the reference
+        self.dynamic = frozenset()  # positions (indices into the signature) that are runtime inputs
+        self.static = set()         # positions that must stay constants
+
+
+def _eligible_leaves(op, treedef, n_leaves) -> frozenset:
+    """Leaves whose schema parameter is a single int, number or tensor, not a dim, dtype or layout."""
+    cached = _ELIGIBLE.get((id(op), treedef))
+    if cached is not None:
+        return cached
+    schema = op._schema  # noqa: SLF001
+    eligible = set()
+    for a, leaves in zip(schema.arguments, _argument_leaves(schema, treedef, n_leaves)):
+        t = a.type
+        if isinstance(t, torch.OptionalType):
+            t = t.getElementType()
+        # a Python int where the schema says Tensor is a wrapped scalar (add.Tensor(x, 3))
+        if (isinstance(t, (torch.IntType, torch.SymIntType, torch.NumberType, torch.TensorType)) and "dim" not in a.name
+                and a.name not in _NOT_RUNTIME_INTS):
+            eligible.update(leaves)
+    _ELIGIBLE[(id(op), treedef)] = result = frozenset(eligible)
+    return result
+
+
+def _site_of(op, key):
+    """(site, values): the signature with its candidate ints left out, and those ints in order."""
+    _, treedef, sig, slots, static_floats = key
+    eligible = _eligible_leaves(op, treedef, len(sig))
+    masked, values = list(sig), []
+    for i, spec in enumerate(sig):
+        kind = spec[0]
+        if kind == "S":
+            if type(spec[1]) is int and i in eligible:
+                masked[i] = ("S", None)
+                values.append((i, spec[1]))
+        elif kind == "I":
+            if not (spec[2].is_floating_point or spec[2].is_complex or spec[2] == torch.bool):
+                masked[i] = ("I", None, spec[2])
+                values.append((i, spec[1]))
+        elif kind == "T":
+            _, slot, sizes, strides, offset, dtype = spec
+            if dtype == slots[slot][1] and all(sizes) and min(strides, default=0) >= 0:
+                masked[i] = ("T", slot, sizes, strides, None, dtype)
+                values.append((i, offset))
+    return (key[0], treedef, tuple(masked), slots, static_floats), tuple(values)
+
+
+def _generalise(key, scalars, positions):
+    """(key, scalars) with the ints at ``positions`` as runtime inputs; None if one is too large."""
+    sig, scalars = list(key[2]), list(scalars)
+    for i in sorted(positions):
+        spec = sig[i]
+        if spec[0] == "T":
+            value, general = spec[4], ("V", *spec[1:4], len(scalars), spec[5])
+        else:
+            value, general = spec[1], ("D", len(scalars), spec[2] if spec[0] == "I" else None)
+        if not -_EXACT < value < _EXACT:
+            return None
+        scalars.append(value)
+        sig[i] = general
+    return (key[0], key[1], tuple(sig), key[3], key[4]), scalars
+
+
+def _hint_of(site):
+    """A site without its storages' sizes: a sequence in a storage of the next capacity, the same cache
+    in a model of another length, inherit the ints their siblings made runtime inputs."""
+    return site[0], site[1], site[2], tuple(slot[1:] for slot in site[3]), site[4]
+
+
+def _promote(op, key, leaves, scalars):
+    """A kernel with the ints that changed at this site as runtime inputs, or None (build it static)."""
+    site, values = _site_of(op, key)
+    entry = _SITES.get(site)
+    if entry is None:
+        hinted = _HINTS.get(_hint_of(site))
+        if not hinted:
+            return None
+        general = _generalise(key, scalars, hinted)
+        if general is None:
+            return None
+        try:
+            kernel = _build(op, general[0], leaves)
+        except Exception:  # noqa: BLE001 - as below: this site keeps its ints constant
+            return None
+        entry = _SITES[site] = _Site(tuple((i, _NEVER) for i, _ in values), kernel)  # no first value: all inputs
+        entry.dynamic = hinted
+        _KERNELS[general[0]] = kernel
+        return kernel, general[1]
+    if entry.kernel is None:
+        return None
+    changed = {i for (i, v), (_, first) in zip(values, entry.first) if v != first}
+    new = changed - entry.dynamic - entry.static
+    positions = changed - entry.static
+    if not positions:
+        return None
+    general = _generalise(key, scalars, positions)
+    if general is None:
+        return None
+    gkey, gscalars = general
+    kernel = _KERNELS.get(gkey)
+    if kernel is None:
+        try:
+            kernel = _build(op, gkey, leaves)
+        except Exception:  # noqa: BLE001 - a lowering needs the value (concretization) or rejects a tracer
+            kernel = None
+        if kernel is None or kernel.fresh != entry.kernel.fresh or kernel.returns != entry.kernel.returns:
+            entry.static |= new
+            rt.stats["dynamic_ints_refused"] += len(new)
+            return None
+        _KERNELS[gkey] = kernel
+    if new:
+        entry.dynamic = entry.dynamic | new
+        hint = _hint_of(site)
+        _HINTS[hint] = _HINTS.get(hint, frozenset()) | new
+        _DYNAMIC_OPS.add(id(op))
+        rt.stats["dynamic_ints"] += len(new)
+    return kernel, gscalars
+
+
+# -- tensors that grow: cat([ids, next_token]) at the same place, token after token -----------------
+#
+# generate() appends each new token to the sequence with torch.cat: a new length, so a new shape, a
+# new kernel and (Fused) a new program per token. Once a cat of an int tensor is seen at the same place
+# with a second length of its first input, its result goes into a storage padded to a capacity
+# (``buckets.growth()``) and the append is a kernel that copies the old storage and writes the new
+# part at a runtime position: one kernel per capacity, and every view of the sequence
+# (``ids[:, -1:]``) reads a storage of a fixed size at a runtime offset (automatic dynamic ints).
+
+_GROWING: dict = {}   # (dtype, dim, first input's sizes after dim, second input's shape) -> first length
+_GREW: set = set()
+_APPENDS: dict = {}
+
+
+class _Append(Kernel):
+    """cat([a, b], dim) as b written at a runtime position into a copy of a's storage, ``capacity`` long.
+
+    Only for a flat append: a contiguous at offset 0 with every dim before ``dim`` of size 1.
+    """
+
+    def __init__(self, slots, b_spec, capacity, dtype):
+        op = aten.cat.default
+        super().__init__(op, op, "functional", None, (b_spec,), slots, None, 1, False,
+                         [((capacity,), dtype)], ("single", None))
+        self.b_spec, self.capacity = b_spec, capacity
+        self.stable_id = hashlib.sha256(repr(("append", slots, b_spec, capacity, str(dtype))).encode()).hexdigest()[:24]
+
+    def __repr__(self):
+        return f"Append(capacity={self.capacity})"
+
+    def trace(self, arrays, sc, base=0, raw=False):
+        flats = [a if a is not None else jnp.zeros((numel,), tops.to_jax_dtype(dtype))
+                 for a, (numel, dtype) in zip(arrays, self.slots)]
+        _, slot, sizes, strides, offset, dtype = self.b_spec
+        want = tops.to_jax_dtype(dtype)
+        tail = views.read_as(flats[slot], sizes, strides, offset, want).reshape(-1)
+        out = jax.lax.dynamic_update_slice(jnp.zeros((self.capacity,), want), flats[0][:self.capacity], (0,))
+        return [jax.lax.dynamic_update_slice(out, tail, (_offset(sc[base]),))]
+
+
+def _append_for(args, kwargs):
+    """(kernel, leaves, buffers, scalars, result shape) of a growing flat append, or None."""
+    tensors = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if len(tensors) != 2:
+        return None
+    a, b = tensors
+    if not (is_tpu(a) and is_tpu(b)) or a.dtype != b.dtype or a.dtype.is_floating_point or a.dtype.is_complex:
+        return None
+    ndim = a.dim()
+    if ndim == 0 or b.dim() != ndim:
+        return None
+    d = dim % ndim
+    if (any(n != 1 for n in a.shape[:d]) or tuple(b.shape[:d]) != tuple(a.shape[:d])
+            or tuple(b.shape[d + 1:]) != tuple(a.shape[d + 1:]) or a.storage_offset() != 0 or not a.is_contiguous()):
+        return None
+    buf_a, buf_b = buffer_of(a), buffer_of(b)
+    if buf_a.dtype != a.dtype or buf_b.dtype != b.dtype:
+        return None
+    site = (a.dtype, ndim, d, tuple(a.shape[d + 1:]), tuple(b.shape))
+    first = _GROWING.setdefault(site, a.shape[d])
+    if first == a.shape[d] and buf_a.numel == a.numel():
+        return None  # not seen growing here (yet): an ordinary cat
+    shape = list(a.shape)
+    shape[d] += b.shape[d]
+    inner = math.prod(a.shape[d + 1:])
+    capacity = buckets.growth().capacity_for(shape[d]) * inner
+    buffers = [buf_a] if buf_b is buf_a else [buf_a, buf_b]
+    sizes = tuple(b.shape)
+    strides = tuple(0 if n == 1 else st for n, st in zip(sizes, b.stride()))
+    b_spec = ("T", buffers.index(buf_b), sizes, strides, b.storage_offset(), b.dtype)
+    slots = [(buf.numel, buf.dtype) for buf in buffers]
+    key = (tuple(slots), tuple(buf.value is None for buf in buffers), b_spec, capacity)
+    if site not in _GREW:
+        _GREW.add(site)
+        rt.stats["growing_tensors"] += 1
+    kernel = _APPENDS.get(key)
+    if kernel is None:
+        rt.stats["misses"] += 1
+        kernel = _APPENDS[key] = _Append(slots, b_spec, capacity, a.dtype)
+    else:
+        rt.stats["hits"] += 1
+    return kernel, [a, b], buffers, [a.numel()], tuple(shape)
+
+
+def _with_shape(flat: torch.Tensor, shape) -> torch.Tensor:
+    """A tensor of ``shape`` over ``flat``'s storage (its Buffer, which is longer: the capacity)."""
+    t = torch._C._acc.create_empty_tensor(tuple(shape), flat.dtype)  # noqa: SLF001
+    setattr(t.untyped_storage(), _ATTR, buffer_of(flat))
+    return t
 
 
 def result_of(kernel, leaves, fresh_tensors):
@@ -524,6 +822,11 @@ def result_of(kernel, leaves, fresh_tensors):
 def execute(op, args, kwargs):
     """Run one non-view op on tpu tensors in the current eager mode."""
     mode = rt.get_mode()
+    if op is aten.cat.default and rt.dynamic_scalars():
+        append = _append_for(args, kwargs)
+        if append is not None:
+            kernel, leaves, buffers, scalars, shape = append
+            return _with_shape(_dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars), shape)
     try:
         kernel, leaves, buffers, scalars = kernel_for(op, args, kwargs)
     except _DataDependent:
@@ -533,6 +836,10 @@ def execute(op, args, kwargs):
             _check_cpu_kernel(op, missing)
             return run_on_cpu(op, args, kwargs)
         raise
+    return _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars)
+
+
+def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
     if kernel.random:
         scalars = scalars + list(rt.next_rng())
     if mode == "fused":

@@ -21,6 +21,8 @@ _device = None
 _mode: str | None = None
 _nan_check = os.environ.get("TPUDIST_DEBUG_NANS", "") == "1"
 _cpu_fallback = os.environ.get("TPUDIST_CPU_FALLBACK", "") == "1"
+_DYNAMIC_ENV = "TPUDIST_DYNAMIC_SCALARS"
+_dynamic_scalars = os.environ.get(_DYNAMIC_ENV, "1") != "0"
 seed = 0
 peak_bytes = 0  # the highest memory_allocated() seen (torch.tpu.max_memory_allocated)
 peak_reserved_bytes = 0  # the highest memory_reserved() seen (torch.tpu.max_memory_reserved)
@@ -120,6 +122,30 @@ def set_cpu_fallback(on: bool) -> None:
         raise ValueError("TPUDIST_STRICT_OPS=1 forbids the CPU fallback; unset it to allow ops without a "
                          "lowering to run on the CPU")
     _cpu_fallback = bool(on)
+
+
+def dynamic_scalars() -> bool:
+    return _dynamic_scalars
+
+
+def set_dynamic_scalars(on: bool) -> bool:
+    """Turn automatic dynamic ints on or off; returns the previous setting.
+
+    On (the default; env ``TPUDIST_DYNAMIC_SCALARS=0`` starts off): an int argument, 0-dim int CPU
+    tensor or view storage offset that takes a second value at the same place of an op becomes a
+    runtime input of its kernel, and an int tensor that grows by ``cat`` at the same place gets a
+    storage of bucketed capacity (``tpudist.device.buckets.growth()``). ``torch.tpu.cache_stats()``
+    counts them: ``dynamic_ints``, ``dynamic_ints_refused`` (ints that decide a shape, kept constant)
+    and ``growing_tensors``.
+
+    Example:
+        >>> import tpudist.device
+        >>> previous = tpudist.device.set_dynamic_scalars(False)   # every int a constant again
+        >>> _ = tpudist.device.set_dynamic_scalars(previous)
+    """
+    global _dynamic_scalars
+    previous, _dynamic_scalars = _dynamic_scalars, bool(on)
+    return previous
 
 
 def warn_fallback(name: str) -> None:

@@ -68,6 +68,53 @@ class Buckets:
         return max(step, -(-length // step) * step)
 
 
+@dataclass(frozen=True, slots=True)
+class Growth:
+    """Storage sizes for a tensor that grows on the device (generate's token ids, ``cat([ids, next])``).
+
+    Up to ``multiple * max_buckets`` the capacity is the next multiple of ``multiple``; beyond it,
+    ``per_octave`` sizes per power of two. A generation of N tokens then compiles one kernel per
+    capacity it reaches, not one per token.
+
+    Example:
+        >>> Growth().capacity_for(5), Growth().capacity_for(129), Growth().capacity_for(1500)
+        (128, 256, 1536)
+    """
+
+    multiple: int = MULTIPLE
+    max_buckets: int = MAX_BUCKETS
+    per_octave: int = 4
+
+    def __post_init__(self) -> None:
+        if self.multiple < 1 or self.max_buckets < 1 or self.per_octave < 1:
+            raise ValueError(f"multiple={self.multiple}, max_buckets={self.max_buckets} and "
+                             f"per_octave={self.per_octave} must all be >= 1")
+
+    def capacity_for(self, length: int) -> int:
+        if length <= self.multiple * self.max_buckets:
+            return max(self.multiple, -(-length // self.multiple) * self.multiple)
+        octave = 1 << (length - 1).bit_length() - 1  # the power of two just below length
+        step = max(1, octave // self.per_octave)
+        return -(-length // step) * step
+
+
+_growth = Growth()
+
+
+def growth() -> Growth:
+    """The capacities growing device tensors are padded to (``set_growth`` changes them)."""
+    return _growth
+
+
+def set_growth(rule: Growth) -> Growth:
+    """Use ``rule`` for tensors that grow on the device from now on; returns the previous rule."""
+    global _growth
+    if not isinstance(rule, Growth):
+        raise TypeError(f"rule={rule!r} is not a tpudist.device.buckets.Growth")
+    previous, _growth = _growth, rule
+    return previous
+
+
 def pad_right(x: torch.Tensor, length: int, dim: int = 1, value=0) -> torch.Tensor:
     """``x`` padded with ``value`` at the end of ``dim`` to ``length`` (returned as is if already there)."""
     have = x.shape[dim]

@@ -1,0 +1,171 @@
+"""Decoding compiles once: ints that change per step become inputs, growing token ids get bucketed storage.
+
+Counts, not times: the programs (Fused) and kernels (Strict) compiled per step, against CPU eager values.
+"""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+import tpudist.device  # noqa: F401  (installs the "tpu" device)
+from tpudist.device import buckets
+
+GENERATE = Path(__file__).resolve().parents[2] / "recipes" / "generate.py"
+MODES = ("strict", "fused")
+WIDTH = {"strict": 3, "fused": 4}  # kernels are shared by the modes: each test's shapes are its own
+
+
+@pytest.fixture
+def mode(request):
+    previous = torch.tpu.get_eager_mode()
+    torch.tpu.set_eager_mode(request.param)
+    yield request.param
+    torch.tpu.set_eager_mode(previous)
+
+
+@pytest.fixture
+def dynamic_off():
+    previous = tpudist.device.set_dynamic_scalars(False)
+    yield
+    tpudist.device.set_dynamic_scalars(previous)
+
+
+def _compiled() -> int:
+    stats = torch.tpu.cache_stats()
+    return stats["programs"] + stats["kernels"]
+
+
+def _cached_steps(device, length: int, steps: int, width: int):
+    """A hand-written static cache: write at a moving position, read the slot back, mask by position."""
+    cache = torch.zeros(2, length, width, device=device)
+    positions = torch.arange(length, device=device)
+    outs, compiled = [], []
+    for pos in range(steps):
+        before = _compiled() if device == "tpu" else 0
+        cache[:, pos:pos + 1] = torch.full((2, 1, width), float(pos + 1), device=device)
+        seen = cache.masked_fill(~positions.le(pos)[None, :, None], 0).sum(1) + pos  # int Scalar, int wrapped
+        slot = cache[:, pos].sum() * pos  # a view at a moving storage offset
+        outs.append((seen.cpu(), slot.cpu()))
+        compiled.append(_compiled() - before if device == "tpu" else 0)
+    return outs, cache.cpu(), compiled
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_ints_that_change_per_step_become_inputs(mode):
+    ref, ref_cache, _ = _cached_steps("cpu", 19, 8, WIDTH[mode])
+    dynamic_before = torch.tpu.cache_stats().get("dynamic_ints", 0)
+    got, cache, compiled = _cached_steps("tpu", 19, 8, WIDTH[mode])
+    for (a, b), (c, d) in zip(got, ref):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+        torch.testing.assert_close(b, d, rtol=0, atol=0)
+    torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
+    assert compiled[0] > 0 and compiled[1] > 0  # the first value is a constant, the second generalises
+    assert compiled[2:] == [0] * 6, compiled
+    assert torch.tpu.cache_stats()["dynamic_ints"] > dynamic_before
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_without_dynamic_ints_every_step_compiles(mode, dynamic_off):
+    ref, _, _ = _cached_steps("cpu", 17, 6, WIDTH[mode])
+    got, _, compiled = _cached_steps("tpu", 17, 6, WIDTH[mode])
+    assert [a.tolist() for a, _ in got] == [c.tolist() for c, _ in ref]
+    assert all(n > 0 for n in compiled), compiled
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_an_int_that_decides_a_shape_stays_a_constant(mode):
+    refused = torch.tpu.cache_stats().get("dynamic_ints_refused", 0)
+    width, dtype = WIDTH[mode], torch.int64 if mode == "strict" else torch.int32
+    for n in (3, 5, 6, 7):
+        got = (torch.arange(n, device="tpu", dtype=dtype) * width + n).cpu()
+        assert got.tolist() == (torch.arange(n, dtype=dtype) * width + n).tolist()
+        full = torch.full((n, width), n, device="tpu", dtype=dtype).cpu()
+        assert full.tolist() == torch.full((n, width), n, dtype=dtype).tolist()
+    assert torch.tpu.cache_stats()["dynamic_ints_refused"] > refused
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_growing_token_ids_compile_per_capacity_not_per_token(mode):
+    previous = buckets.set_growth(buckets.Growth(multiple=8, max_buckets=2, per_octave=2))
+    try:
+        ids_cpu = torch.tensor([[5, 1, 4]], dtype=torch.int64 if mode == "strict" else torch.int32)
+        ids = ids_cpu.to("tpu")
+        compiled, lasts = [], []
+        for step in range(30):
+            before = _compiled()
+            token = (ids[:, -1:] * 7 + step) % 11  # reads the last token: a view at a moving offset
+            ids = torch.cat([ids, token], dim=-1)
+            lasts.append(ids[:, -1].cpu())
+            compiled.append(_compiled() - before)
+            ids_cpu = torch.cat([ids_cpu, (ids_cpu[:, -1:] * 7 + step) % 11], dim=-1)
+    finally:
+        buckets.set_growth(previous)
+    assert ids.shape == (1, 33) and ids.is_contiguous()
+    assert torch.equal(ids.cpu(), ids_cpu)
+    assert [t.item() for t in lasts] == ids_cpu[0, 3:].tolist()
+    # capacities 8, 16 (multiples of 8 up to 2 buckets), then 2 per power of two: 24, 32, 48. After the
+    # first steps (a constant, then runtime offsets, then the padded storage) only the step that moves
+    # to a new capacity and the next (the first append within it) compile
+    new_capacity = [step for step in range(30) if 3 + step + 1 in (9, 17, 25, 33)]
+    allowed = {s for step in new_capacity for s in (step, step + 1)}
+    assert {i for i, n in enumerate(compiled) if n and i >= 4} <= allowed, compiled
+
+
+def test_growth_capacities():
+    rule = buckets.Growth()
+    assert [rule.capacity_for(n) for n in (1, 128, 129, 1024, 1025, 1536, 1537, 2049)] == [
+        128, 128, 256, 1024, 1280, 1536, 1792, 2560]
+    with pytest.raises(ValueError, match="multiple=0"):
+        buckets.Growth(multiple=0)
+    with pytest.raises(TypeError, match="Growth"):
+        buckets.set_growth(128)
+
+
+def _generate_module():
+    return runpy.run_path(str(GENERATE), run_name="generate_recipe")
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_project_model_static_cache_decodes_with_one_program(mode):
+    gen = _generate_module()
+    torch.manual_seed(0)
+    args = gen["ModelArgs"](vocab_size=96, dim=32 if mode == "strict" else 48, n_layers=2, n_heads=4, n_kv_heads=2,
+                            max_seq_len=24)
+    model = gen["Transformer"](args).eval()
+    prompt = torch.randint(0, args.vocab_size, (1, 6))
+    reference = gen["generate"](model, prompt, 12, max_len=24).tokens
+    no_cache = prompt  # the model without a cache, recomputing the whole sequence per token
+    for _ in range(12):
+        no_cache = torch.cat([no_cache, model(no_cache)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(reference, no_cache[:, 6:])
+    model.to("tpu")
+    first = gen["generate"](model, prompt, 12, max_len=24)
+    assert torch.equal(first.tokens, reference)
+    # prefill, the first decode step (constants), the second (its ints become inputs), then nothing
+    assert first.compiled_per_step[3:] == [0] * 9, first.compiled_per_step
+    second = gen["generate"](model, prompt, 8, max_len=24)
+    assert torch.equal(second.tokens, reference[:, :8])
+    assert sum(second.compiled_per_step) == 0, second.compiled_per_step
+
+
+@pytest.mark.parametrize("compile_forward", [False, True], ids=["eager_forward", "compiled_forward"])
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_hf_static_cache_generate_compiles_once(mode, compile_forward):
+    pytest.importorskip("transformers", reason="Hugging Face generate needs transformers (optional extra)")
+    if compile_forward and mode == "strict":
+        pytest.skip("the compiled forward is one program whatever the eager mode: covered once, in fused")
+    gen = _generate_module()
+    torch.manual_seed(0)
+    model = gen["_hf_model"]()
+    prompt = torch.randint(0, 128, (1, 5))
+    reference = gen["hf_generate"](model, prompt, 10)[0]
+    model.to("tpu")
+    short, _, _ = gen["hf_generate"](model, prompt, 6, compile_forward=compile_forward)
+    assert torch.equal(short, reference[:, :6])
+    tokens, _, compiled = gen["hf_generate"](model, prompt, 10, compile_forward=compile_forward)
+    assert torch.equal(tokens, reference)
+    assert compiled == 0  # 10 new tokens compile nothing that 6 did not
