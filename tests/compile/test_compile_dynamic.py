@@ -226,6 +226,29 @@ def test_block_logits_inference_are_sliced_back():
     assert (counts.padded, counts.exact) == (1, 0), (vars(counts), counts.fallbacks)
 
 
+def _lm_loss(model, tokens, targets):
+    return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+
+def test_decoder_lm_loss_over_lengths_up_to_max_seq_len():
+    """The project's decoder (RoPE tables sliced to the length) with cross-entropy over flattened logits:
+    the length pads to max_seq_len (below the first bucket), one program for every length."""
+    from tpudist.training.model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48))
+    ref = copy.deepcopy(model)
+    step = torch.compile(_lm_loss, backend="tpu")
+    with Counts() as counts:
+        for t in (5, 9, 17, 40, 48):
+            tokens, targets = torch.randint(0, 64, (2, t)), torch.randint(0, 64, (2, t))
+            targets[0, 1] = -100  # an ignored target: the mean is over the real, not ignored, ones
+            torch._dynamo.mark_dynamic(tokens, 1)  # noqa: SLF001
+            torch._dynamo.mark_dynamic(targets, 1)  # noqa: SLF001
+            _check_step(step, _lm_loss, model, ref, tokens, targets)
+    assert (counts.padded, counts.exact, counts.xla_graphs) == (1, 0, 2), (vars(counts), counts.fallbacks)
+
+
 # -- "tpu" device tensors ---------------------------------------------------------------------------
 def run_device_dynamic_mlp() -> dict:
     """A device MLP trained over varying batch sizes (dynamic=True): one padded program, grads as CPU's."""

@@ -372,8 +372,8 @@ class _Analysis:
                 av = a.meta.get("val")
                 if not _tensor(av) or a not in self.needs_grad or not want:
                     continue
-                broadcast = av.dim() < val.dim() or any(
-                    _expr(av.shape[i - (val.dim() - av.dim())]) != s for i in want if i >= val.dim() - av.dim())
+                offset = val.dim() - av.dim()  # broadcasting aligns trailing dims
+                broadcast = any(i < offset or (i - offset) not in _dims(av, s) for i in want)
                 if not broadcast:
                     continue
                 if target in _LINEAR_BROADCAST:
@@ -689,18 +689,23 @@ class DynamicGraph:
             log.info("tpudist.compile: %s: dim %s runs at exact sizes: %s", name, s, why)
 
     def _sizes(self, args) -> dict:
-        """(real size, padded size) per padded symbol for this call; a size beyond the buckets (or
-        beyond what the graph allows) stays exact."""
+        """(real size, program size, padded?) per padded symbol for this call: its bucket, or the
+        largest size the graph allows if smaller (a slice of a static dim: ``pos[:t]``); a size
+        beyond the buckets stays exact."""
         out = {}
         for s, loc in self.plan.symbols.items():
             n = int(args[loc.index].shape[loc.dim])
-            size = self.buckets.size_for(n) if n <= self.buckets.max_length else n
-            out[s] = (n, size if size <= self.plan.max_size.get(s, size) else n)
+            limit = self.plan.max_size.get(s)
+            if n > self.buckets.max_length:
+                size = n
+            else:
+                size = self.buckets.size_for(n) if limit is None else min(self.buckets.size_for(n), limit)
+            out[s] = (n, size, n <= self.buckets.max_length)
         return out
 
     def __call__(self, *args):
         sizes = self._sizes(args) if self.plan.graph is not None else {}
-        if any(size in self.buckets.sizes for _, size in sizes.values()):
+        if any(padded for _, _, padded in sizes.values()):
             return self._run_padded(args, sizes)
         return self._run_exact(args)
 
