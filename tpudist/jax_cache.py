@@ -2,13 +2,15 @@
 
 One root, ``$TPUDIST_CACHE_DIR`` (default ``~/.cache/tpudist``, ``$XDG_CACHE_HOME`` honoured): a
 path, or with ``fsspec`` installed any fsspec URL, which every host of a pod may share.
-``TPUDIST_CACHE_DIR=0`` turns every cache off. Under it:
+``TPUDIST_CACHE_DIR=0`` turns every cache off. In it:
 
 - ``programs/``: tpudist's program cache (``tpudist.program_cache``): traced programs as
-  ``jax.export`` modules, shared by every process and host that would trace the same program.
-- ``jax/``: JAX's persistent compilation cache (XLA executables). JAX reads and writes local or
-  mounted paths only: for a URL root it lives under the local default root instead. Every program
-  is cached, however fast it compiled (JAX's default skips those under 1 s).
+  ``jax.export`` modules and collective programs' executables, shared by every process and host
+  that would build the same program.
+- the files of JAX's persistent compilation cache (XLA executables; JAX only touches its own
+  ``*-cache`` and ``*-atime`` files). JAX reads and writes local or mounted paths only: for a URL
+  root they go to the local default root instead. Every program is cached, however fast it
+  compiled (JAX's default skips those under 1 s).
 """
 
 from __future__ import annotations
@@ -39,10 +41,8 @@ def cache_dir() -> Path | None:
     if root is None:
         return None
     if "://" in root:
-        if root.startswith("file://"):
-            return Path(root[len("file://"):]) / "jax"
-        return _local_default() / "jax"
-    return Path(root) / "jax"
+        return Path(root[len("file://"):]) if root.startswith("file://") else _local_default()
+    return Path(root)
 
 
 def enable_persistent_cache() -> Path | None:

@@ -519,45 +519,57 @@ def _listen_to_jax_cache() -> None:
 
 
 def load_or_compile(kind: str, key_parts: Any, jitted: Any, args: tuple, devices: list, *,
-                    cache: ProgramCache | None = None) -> tuple[Any, bool]:
+                    compiler_options: dict | None = None, meta_fn: Callable[[], dict] | None = None,
+                    cache: ProgramCache | None = None) -> tuple[Any, dict, bool]:
     """An XLA executable of ``jitted`` for ``args`` (concrete or abstract arrays with shardings):
     loaded from the cache onto ``devices`` (the device assignment, in the order of the program's
-    mesh), or compiled and stored; returns (the ``jax.stages.Compiled``, whether it was loaded).
+    mesh), or compiled and stored; returns (the ``jax.stages.Compiled``, its meta, whether it was
+    loaded). ``meta_fn()``, called after compiling, adds what a caller must know to run it.
 
     For programs whose tracing is cheap next to XLA's compile, as the collectives' small
     ``shard_map`` programs are (tracing 20-60 ms, compiling 100-220 ms, loading 2-3 ms: measured on
-    2 ranks, jax 0.10.2). ``key_parts`` must name the devices and the topology: an executable is
-    compiled for a device assignment. Unlike JAX's persistent cache on CPU, an entry written by one
-    process serves every process of the program (measured: rank 1 runs rank 0's all_reduce
-    executable). Only executables compiled here are stored: XLA:CPU serializes one that JAX's own
-    cache loaded without its kernels. Program outputs must be a flat tuple of arrays.
+    2 ranks, jax 0.10.2), and for programs over several processes' devices, whose tracing every
+    rank needs anyway. An executable is compiled for a device assignment: the key holds the
+    devices' ids, their platform and kind, the world's device and process counts and XLA_FLAGS
+    besides ``key_parts``. Unlike JAX's persistent cache on CPU, an entry written by one process
+    serves every process of the program (measured: rank 1 runs rank 0's all_reduce executable).
+    Only executables compiled here are stored: XLA:CPU serializes one that JAX's own cache loaded
+    without its kernels. Program outputs must be a flat tuple or list of arrays.
     """
     import jax
     from jax.experimental import serialize_executable
 
     cache = default_cache() if cache is None else cache
     if cache is None:
-        return jitted.lower(*args).compile(), False
-    key = key_of(kind, key_parts)
+        compiled = jitted.lower(*args).compile(compiler_options=compiler_options)
+        return compiled, meta_fn() if meta_fn else {}, False
+    placement = (tuple(d.id for d in devices), devices[0].platform, devices[0].device_kind, jax.device_count(),
+                 jax.process_count(), os.environ.get("XLA_FLAGS", ""), sorted((compiler_options or {}).items()))
+    key = key_of(kind, (key_parts, placement))
     in_tree = jax.tree.structure((tuple(args), {}))
 
+    def out_tree(num_outputs: int, as_list: bool) -> Any:
+        return jax.tree.structure(list(range(num_outputs)) if as_list else tuple(range(num_outputs)))
+
     def load(data: bytes, meta: dict) -> Any:
-        out_tree = jax.tree.structure(tuple(range(meta["num_outputs"])))
-        return serialize_executable.deserialize_and_load(data, in_tree, out_tree, execution_devices=devices)
+        tree = out_tree(meta["num_outputs"], meta["list"])
+        return serialize_executable.deserialize_and_load(data, in_tree, tree, execution_devices=devices)
 
     entry = cache.get(key, load)
     if entry is not None:
-        return entry.data, True
+        return entry.data, entry.meta, True
     _listen_to_jax_cache()
     hits = _jax_cache_hits[0]
-    compiled = jitted.lower(*args).compile()
+    compiled = jitted.lower(*args).compile(compiler_options=compiler_options)
+    meta = meta_fn() if meta_fn else {}
     num_outputs = compiled.out_tree.num_leaves
+    as_list = compiled.out_tree == out_tree(num_outputs, True)
     if (_jax_cache_hits[0] == hits and compiled.in_tree == in_tree
-            and compiled.out_tree == jax.tree.structure(tuple(range(num_outputs)))):
+            and (as_list or compiled.out_tree == out_tree(num_outputs, False))):
         try:
             payload, _, _ = serialize_executable.serialize(compiled)
         except (ValueError, NotImplementedError, TypeError) as e:
             log.info("tpudist.program_cache: %s not serializable (%s)", key, e)
         else:
-            cache.put(key, bytes(payload), {"num_outputs": num_outputs})
-    return compiled, False
+            cache.put(key, bytes(payload), {**meta, "num_outputs": num_outputs, "list": as_list})
+    return compiled, meta, False

@@ -315,3 +315,20 @@ def test_collective_executables_are_shared_by_every_rank_of_the_next_world(tmp_p
         assert programs >= 3 and first[rank]["xla_compiles"] >= 1, first[rank]
         assert second[rank]["xla_compiles"] == 0 and second[rank]["xla_loaded"] == programs, second[rank]
     assert sum(r["cache"]["writes"] for r in first) >= programs and not any(r["cache"]["writes"] for r in second)
+
+
+def test_compiled_graphs_with_collectives_are_loaded_by_the_next_world(tmp_path):
+    """A torch.compile graph with a functional all_reduce: the next world reads its XLA executable
+    (keyed by the world's devices) and neither traces nor compiles it."""
+    import rank_fns_program_cache as fns
+    from tpudist.testing import RankPool
+
+    worlds = []
+    for _ in range(2):
+        with RankPool(2, backend="tpu", timeout=240, env={"TPUDIST_CACHE_DIR": str(tmp_path / "shared")}) as pool:
+            worlds.append(pool.run(fns.compiled_all_reduce))
+    for rank, (first, second) in enumerate(zip(*worlds)):
+        assert first["err"] <= 1e-6 and second["err"] <= 1e-6, (rank, first, second)
+        assert first["programs_compiled"] + first["disk_hits"] == 1, first
+        assert second["programs_compiled"] == 0 and second["disk_hits"] == 1 and second["xla_compiles"] == 0, second
+        assert [ops for _, ops in second["collective_programs"]] == [("all-reduce",)], second

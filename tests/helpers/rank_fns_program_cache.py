@@ -61,3 +61,21 @@ def collectives():
     return {"big": big[:3].tolist(), "gathered": [g[-1].item() for g in gathered], "small": small.item(),
             "xla_compiles": stats.xla_compiles, "xla_loaded": stats.xla_loaded,
             "cache": program_cache.stats("collective").snapshot()}
+
+
+def compiled_all_reduce():
+    """A compiled graph with a functional all_reduce inside (one XLA program over the world)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from tpudist.compile.program import STATS
+
+    def fn(x):
+        return funcol.all_reduce(torch.sin(x), "sum", dist.group.WORLD) + 1
+
+    x = torch.linspace(-1, 1, 8) * (dist.get_rank() + 1)
+    got = torch.compile(fn, backend="tpu", fullgraph=True, dynamic=False)(x)
+    want = sum(torch.sin(torch.linspace(-1, 1, 8) * (r + 1)) for r in range(dist.get_world_size())) + 1
+    return {"err": (got - want).abs().max().item(), "collective_programs": STATS.collective_programs,
+            **STATS.snapshot()}

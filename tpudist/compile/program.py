@@ -227,9 +227,8 @@ class GraphProgram:
         return exe
 
     def _compile(self) -> _Executable:
-        """Traces the program (or reads it from the program cache) and compiles it."""
+        """Traces the program (or reads it from the program cache) and compiles it (or reads it)."""
         import jax
-        from jax import export
 
         from tpudist import program_cache
         from tpudist.ops import KeySource, keys
@@ -265,18 +264,28 @@ class GraphProgram:
             _listening.append(True)
         hits = _jax_cache_hits[0]
         args = (key_aval, const_avals, *avals)
+        options = self._xla_options or None
         with jax.enable_x64(True):
             traced = jax.jit(fn)
-            loaded = self._load_or_export(traced, args, num_keys) if self._collectives is None else None
-            if loaded is not None and loaded.exported is not None:
-                traced = jax.jit(loaded.exported.call)
-                num_keys[0] = loaded.meta.get("num_keys", num_keys[0])
-            if loaded is not None and loaded.from_cache:
+            if self._collectives is not None:
+                # Over several processes' devices: every rank traces it anyway; its XLA executable,
+                # keyed by the devices as well, serves every rank of later worlds of the same layout.
+                compiled, meta, from_cache = program_cache.load_or_compile(
+                    "compile", self.key, traced, args, list(self._collectives.mesh.devices.flat),
+                    compiler_options=options, meta_fn=lambda: {"num_keys": num_keys[0]})
+                num_keys[0] = meta.get("num_keys", num_keys[0])
+            else:
+                loaded = self._load_or_export(traced, args, num_keys)
+                from_cache = loaded.from_cache
+                if loaded.exported is not None:
+                    traced = jax.jit(loaded.exported.call)
+                    num_keys[0] = loaded.meta.get("num_keys", num_keys[0])
+                compiled = traced.lower(*args).compile(compiler_options=options)
+            if from_cache:
                 STATS.disk_hits += 1
             else:
                 STATS.programs_compiled += 1
-            compiled = traced.lower(*args).compile(compiler_options=self._xla_options or None)
-        if _jax_cache_hits[0] == hits:
+        if _jax_cache_hits[0] == hits and not (from_cache and self._collectives is not None):
             STATS.xla_compiles += 1
         if self._collectives is not None:
             text = compiled.as_text()

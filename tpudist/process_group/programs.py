@@ -109,9 +109,8 @@ class _FirstCall:
     def __call__(self, *args: Any) -> Any:
         from tpudist import program_cache
 
-        devices = list(self.mesh.devices.flat)
-        compiled, loaded = program_cache.load_or_compile("collective", (*self.parts, *_placement(devices)),
-                                                         self.jitted, args, devices)
+        compiled, _, loaded = program_cache.load_or_compile("collective", (*self.parts, _source_digest()),
+                                                            self.jitted, args, list(self.mesh.devices.flat))
         with _lock:
             if loaded:
                 _stats.xla_loaded += 1
@@ -119,15 +118,6 @@ class _FirstCall:
                 _stats.xla_compiles += 1
         self.owner._jitted = compiled  # noqa: SLF001 - later calls go straight to XLA
         return compiled(*args)
-
-
-def _placement(devices: list) -> tuple:
-    """What an executable's key needs beyond the program: the devices it was compiled for, the
-    world they belong to, and the sources that wrote the program."""
-    import jax
-
-    return (tuple(d.id for d in devices), devices[0].platform, devices[0].device_kind, jax.device_count(),
-            jax.process_count(), os.environ.get("XLA_FLAGS", ""), _source_digest())
 
 
 @functools.cache
