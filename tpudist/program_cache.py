@@ -8,11 +8,16 @@ program (graph, shapes, dtypes, options, library versions and tpudist's lowering
 any process of any host that would trace the same program reads it instead: the second host of a
 pod traces nothing the first traced.
 
-XLA's compile of a module is kept by JAX's persistent compilation cache (``tpudist.jax_cache``),
-in the same root. On XLA:CPU its key holds the device assignment and the process's topology and
-only JAX process 0 writes it, so compiled executables are shared between processes that run one
-device each in a world of their own (a single-process host, the next run), not across the ranks of
-one multi-process world; those compile the shared module themselves.
+XLA's compile of such a module is kept by JAX's persistent compilation cache
+(``tpudist.jax_cache``), in the same root. On XLA:CPU its key holds the device assignment and the
+process's topology and only JAX process 0 writes it, so those executables are shared between
+processes that run one device each in a world of their own (a single-process host, the next run),
+not across the ranks of one multi-process world; those compile the shared module themselves.
+
+Programs over several processes' devices (eager collectives, compiled graphs with collectives)
+keep their XLA executable here instead (:func:`load_or_compile`), keyed by the devices it was
+compiled for: every rank of the next world with the same layout loads it (2-3 ms) instead of
+compiling it (0.1-0.2 s each on CPU).
 
 Where: ``$TPUDIST_CACHE_DIR`` (default ``~/.cache/tpudist``), a path or, with ``fsspec``
 installed, any fsspec URL (``file://``, ``memory://``, ``s3://``, ...); entries live under
@@ -29,9 +34,10 @@ Example::
 
     from tpudist import program_cache
 
-    exported, hit = program_cache.load_or_export(
+    loaded = program_cache.load_or_export(
         "fused", (graph_key, shapes), lambda: jax.export.export(jitted)(*args))
-    program_cache.stats()  # CacheStats(hits=..., misses=..., writes=..., evictions=..., corrupt=...)
+    run = jax.jit(loaded.exported.call) if loaded.exported is not None else jitted
+    program_cache.stats("fused")  # CacheStats(hits=..., misses=..., writes=..., evictions=..., ...)
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import math
 import operator
 import os
@@ -34,8 +33,6 @@ import torch.fx
 
 from tpudist.compile import boundary, device_io
 from tpudist.compile.errors import UnsupportedGraph, missing_op_error, user_line
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
