@@ -181,13 +181,6 @@ def _mixes(val, s, orders=None) -> Any:
     return None
 
 
-def _prod(sizes) -> Any:
-    out = 1
-    for d in sizes:
-        out = out * _expr(d)
-    return out
-
-
 def _atoms(val, s, orders) -> list | None:
     """``val``'s shape as a sequence of factors, outer to inner: ``s`` whole, static sizes, other symbols."""
     out = []
