@@ -47,8 +47,8 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b"
 class FsdpConfig(TrainConfig):
     """Train a Llama-style decoder on a synthetic Markov-chain language task."""
 
-    pp: int = option(1, "pipeline stages groups (ranks along the pp mesh axis); the other world_size/pp "
-                        "ranks shard each stage with FSDP2; 1: no pipelining")
+    pp: int = option(1, "pipeline-parallel degree (ranks along the pp mesh axis); world_size/pp ranks "
+                        "shard each stage with FSDP2; 1: no pipelining")
     schedule: str = option("1f1b", "--pp: pipeline schedule (interleaved1f1b: 2 stages per rank, looped)",
                            tuple(SCHEDULES))
     microbatches: int = option(0, "--pp: microbatches per step (each dp rank's batch is split into them); "
