@@ -144,7 +144,8 @@ def test_unsafe_graphs_run_per_size(name):
 
 
 def test_no_buckets_means_one_program_per_size():
-    model = _mlp()
+    # LayerNorm's eps: under dynamic=True, Dynamo passes float attributes as 0-d tensors read with .item()
+    model = torch.nn.Sequential(_mlp(), torch.nn.LayerNorm(4))
     fn = torch.compile(lambda x: model(x), backend="tpu", dynamic=True, options={"buckets": None})
     with torch.no_grad(), Counts() as counts:
         for n in (3, 4, 3, 6):

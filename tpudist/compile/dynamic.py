@@ -643,7 +643,7 @@ def _specialize(gm: torch.fx.GraphModule, ints: dict[int, int], scalars: dict | 
     phs = [n for n in graph.nodes if n.op == "placeholder"]
     for i, value in (scalars or {}).items():
         for user in list(phs[i].users):
-            if user.target is aten._local_scalar_dense.default:  # noqa: SLF001
+            if _reads_value(user):
                 user.replace_all_uses_with(value)
                 graph.erase_node(user)
     for i, value in ints.items():
@@ -652,10 +652,15 @@ def _specialize(gm: torch.fx.GraphModule, ints: dict[int, int], scalars: dict | 
     return torch.fx.GraphModule(gm, graph)
 
 
+def _reads_value(node: torch.fx.Node) -> bool:
+    """``x.item()``: in a Dynamo graph, or in an ATen graph."""
+    return (node.op == "call_method" and node.target == "item") or node.target is aten._local_scalar_dense.default
+
+
 def _scalar_inputs(gm: torch.fx.GraphModule) -> list[int]:
     """Positions of inputs whose value the graph reads with ``.item()``."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return [i for i, n in enumerate(phs) if any(u.target is aten._local_scalar_dense.default for u in n.users)]
+    return [i for i, n in enumerate(phs) if any(_reads_value(u) for u in n.users)]
 
 
 class DynamicGraph:
@@ -672,7 +677,10 @@ class DynamicGraph:
         self.buckets = buckets
         self.name = name
         self.plan = plan(gm, buckets)
+        # 0-d inputs read with .item() (dynamic=True passes float attributes so): their values are
+        # constants of each program, part of its key
         self._scalars = _scalar_inputs(self.plan.graph) if self.plan.graph is not None else []
+        self._exact_scalars = _scalar_inputs(gm)
         self.programs: dict = {}
         self.num_padded = 0
         self.num_exact = 0
@@ -703,12 +711,13 @@ class DynamicGraph:
         return self._run_exact(args)
 
     def _run_exact(self, args):
-        key = ("exact", *[tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args])
+        scalars = {i: args[i].item() for i in self._exact_scalars}
+        key = ("exact", *[tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args], *sorted(scalars.items()))
         fn = self.programs.get(key)
         if fn is None:
             ints = {i: int(a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            fn = self._compile(_specialize(self._gm, ints), tensors)
+            fn = self._compile(_specialize(self._gm, ints, scalars), tensors)
             self.programs[key] = fn
             self.num_exact += 1
             STATS.programs += 1
