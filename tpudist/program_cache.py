@@ -47,7 +47,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 import warnings
@@ -134,6 +133,10 @@ def max_bytes_from_env() -> int:
 
 
 # -- storage: a local folder, or an fsspec filesystem ----------------------------------------------------
+def _tmp_name() -> str:
+    return f"{_TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}"
+
+
 class _Local:
     """A folder of this machine (or a network filesystem mounted here)."""
 
@@ -151,13 +154,16 @@ class _Local:
 
     def write_atomic(self, name: str, data: bytes) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=_TMP_PREFIX)
+        # os.open with 0o666 honours the umask (mkstemp's 0600 would hide entries from other users
+        # of a shared cache); the random part keeps concurrent writers apart.
+        tmp = self.path / _tmp_name()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, self.path / name)  # atomic within one folder, on NFS too
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
 
     def touch(self, name: str) -> None:
@@ -210,7 +216,7 @@ class _Fsspec:
             return None
 
     def write_atomic(self, name: str, data: bytes) -> None:
-        tmp = self.join(f"{_TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}")
+        tmp = self.join(_tmp_name())
         self.fs.makedirs(self.path, exist_ok=True)
         self.fs.pipe_file(tmp, data)
         try:
