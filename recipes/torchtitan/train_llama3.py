@@ -7,13 +7,13 @@
 
 torchtitan 0.3 does the parallelism: its ``ParallelDims`` builds the meshes, ``parallelize_llama``
 applies its tensor-parallel plan (sequence parallel included; the "partial_dtensor" SPMD backend) and
-FSDP2, its loss is vocab-parallel under TP, its ``clip_grad_norm_`` and
-``dist_sum`` reduce across the meshes; the loss is normalised as its trainer's (token sum over the
-global token count, gradients summed by FSDP). Only the torchtitan modules for the model and its
+FSDP2, its loss is vocab-parallel under TP, its ``clip_grad_norm_`` and ``dist_sum`` reduce across
+the meshes. Only the torchtitan modules for the model and its
 parallelism are imported: ``pip install --no-deps torchtitan spmd_types==0.2.3 tyro docstring_parser``
-is enough (its full requirements would also bring datasets, which pins huggingface_hub below 2). The model is ``llama3_configs["debugmodel"]`` (6 layers, dim 256,
-vocab 2048); it trains on one synthetic batch with AdamW. What a user adds on CPU-emulated chips
-(the functions under "CPU-launch adaptations"):
+is enough (its full requirements would also bring datasets, which pins huggingface_hub below 2).
+The model is ``llama3_configs["debugmodel"]`` (6 layers, dim 256, vocab 2048); it trains on one
+synthetic batch with AdamW. What a user adds on CPU-emulated chips (the functions under "CPU-launch
+adaptations", and ``build_parallel_model``):
 
 - ``import tpudist.device`` before torchtitan (``--device tpu``): torchtitan reads its device type once,
   at import; it is then "tpu", so its meshes, FSDP2 and DTensors put the model on the "tpu" device.
@@ -25,6 +25,9 @@ vocab 2048); it trains on one synthetic batch with AdamW. What a user adds on CP
   meshes must be on "cpu" for CPU tensors, so the recipe sets torchtitan's mesh device type to "cpu".
 - ``init_process_group("tpu")`` before torchtitan sees the job (its ``init_distributed`` would pick
   nccl for an unknown device).
+- torchtitan's sharding plan on the model config and its SPMD backend, set as its Trainer sets them.
+- The loss normalised as its trainer does (token sum over the global token count): its FSDP2 sums
+  gradients. That reduction is a PREMUL_SUM, which gloo refuses, so the reference run is one process.
 """
 
 from __future__ import annotations

@@ -65,12 +65,13 @@ def assert_matches(results: list, reference: list, rtol: float) -> None:
 
 @pytest.mark.parametrize("schedule", ("gpipe", "1f1b", "interleaved1f1b"))
 def test_pp_fsdp_cpu_tensors_match_one_process(run4, reference, schedule):
-    assert_matches(run4("cpu", ["--pp", "2", "--schedule", schedule]), reference, rtol=1e-5)
+    # measured: losses 1.1e-7, gradient norms 2.6e-8 from the one-process run, every schedule
+    assert_matches(run4("cpu", ["--pp", "2", "--schedule", schedule]), reference, rtol=1e-6)
 
 
 def test_pp_fsdp_tpu_device_matches_one_process(run4, reference):
     results = run4("tpu", ["--pp", "2", "--schedule", "1f1b", "--eager-mode", "strict"])
-    assert_matches(results, reference, rtol=1e-4)
+    assert_matches(results, reference, rtol=1e-5)  # measured: losses 1.1e-7, gradient norms 2.5e-8
 
 
 def test_pp_option_errors_name_the_fix():
