@@ -295,17 +295,19 @@ def test_ranks_of_one_world_share_traced_programs(tmp_path):
     assert second["fused"] == [2 * v for v in first["fused"]]  # rank 1 runs rank 0's module on its own inputs
 
 
-def test_collective_executables_are_shared_by_every_rank_of_the_next_world(tmp_path):
-    """XLA executables of collective programs: a second world (the next run, or another host group
-    with the same layout) on the same folder compiles none, on every rank, with the same results."""
+def test_the_next_world_compiles_no_collective(tmp_path):
+    """XLA executables of programs over several processes' devices, eager collectives and a
+    torch.compile graph with a functional all_reduce: a second world (the next run, or another group
+    of hosts with the same layout) on the same folder compiles none of them, on every rank, and gets
+    the same results."""
     import rank_fns_program_cache as fns
     from tpudist.testing import RankPool
 
     worlds = []
     for _ in range(2):
         with RankPool(2, backend="tpu", timeout=240, env={"TPUDIST_CACHE_DIR": str(tmp_path / "shared")}) as pool:
-            worlds.append(pool.run(fns.collectives))
-    first, second = worlds
+            worlds.append((pool.run(fns.collectives), pool.run(fns.compiled_all_reduce)))
+    (first, first_graph), (second, second_graph) = worlds
     for rank in range(2):
         assert first[rank]["big"] == [0.0, 3.0, 6.0] and first[rank]["gathered"] == [0.0, 1.0]
         assert first[rank]["small"] == 2 and second[rank]["big"] == first[rank]["big"]
@@ -314,21 +316,10 @@ def test_collective_executables_are_shared_by_every_rank_of_the_next_world(tmp_p
         programs = first[rank]["xla_compiles"] + first[rank]["xla_loaded"]
         assert programs >= 3 and first[rank]["xla_compiles"] >= 1, first[rank]
         assert second[rank]["xla_compiles"] == 0 and second[rank]["xla_loaded"] == programs, second[rank]
+
+        graph, again = first_graph[rank], second_graph[rank]
+        assert graph["err"] <= 1e-6 and again["err"] <= 1e-6, (rank, graph, again)
+        assert graph["programs_compiled"] + graph["disk_hits"] == 1, graph
+        assert again["programs_compiled"] == 0 and again["disk_hits"] == 1 and again["xla_compiles"] == 0, again
+        assert [ops for _, ops in again["collective_programs"]] == [("all-reduce",)], again
     assert sum(r["cache"]["writes"] for r in first) >= programs and not any(r["cache"]["writes"] for r in second)
-
-
-def test_compiled_graphs_with_collectives_are_loaded_by_the_next_world(tmp_path):
-    """A torch.compile graph with a functional all_reduce: the next world reads its XLA executable
-    (keyed by the world's devices) and neither traces nor compiles it."""
-    import rank_fns_program_cache as fns
-    from tpudist.testing import RankPool
-
-    worlds = []
-    for _ in range(2):
-        with RankPool(2, backend="tpu", timeout=240, env={"TPUDIST_CACHE_DIR": str(tmp_path / "shared")}) as pool:
-            worlds.append(pool.run(fns.compiled_all_reduce))
-    for rank, (first, second) in enumerate(zip(*worlds)):
-        assert first["err"] <= 1e-6 and second["err"] <= 1e-6, (rank, first, second)
-        assert first["programs_compiled"] + first["disk_hits"] == 1, first
-        assert second["programs_compiled"] == 0 and second["disk_hits"] == 1 and second["xla_compiles"] == 0, second
-        assert [ops for _, ops in second["collective_programs"]] == [("all-reduce",)], second
