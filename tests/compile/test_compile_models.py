@@ -329,3 +329,30 @@ def test_device_results_of_a_graph_with_cpu_inputs_stay_on_the_device(dev):
     assert out["moved"] == ("tpu:0", (x * 2).square().sum().item()), out
     assert out["grad"] == ("cpu", (8 * x).tolist()), out
     assert out["made"] == ("tpu:0", [3.0, 3.0, 3.0]), out
+
+
+def _restride_in_place(x):
+    y = x * 2
+    y.transpose_(0, 1)
+    y.unsqueeze_(0)
+    return (y * torch.arange(3.0, device=x.device)).sum()
+
+
+def run_in_place_views_compiled() -> dict:
+    """transpose_ / unsqueeze_ on a graph intermediate: AOTAutograd's functionalization replays these
+    metadata mutations on its FunctionalTensor wrapper of the tpu tensor (Swin's window code does)."""
+    import tpudist.device  # noqa: F401
+
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    ref_x = x.clone().requires_grad_()
+    want = _restride_in_place(ref_x)
+    want.backward()
+    dx = x.to("tpu").requires_grad_()
+    got = torch.compile(_restride_in_place, backend="tpu", dynamic=False)(dx)
+    got.backward()
+    return {"got": got.item(), "want": want.item(), "grad_err": (dx.grad.cpu() - ref_x.grad).abs().max().item()}
+
+
+def test_in_place_views_in_a_compiled_device_graph(dev):
+    out = dev(run_in_place_views_compiled)
+    assert abs(out["got"] - out["want"]) <= 1e-5 * abs(out["want"]) and out["grad_err"] == 0.0, out

@@ -1,7 +1,7 @@
 """A model zoo on the "tpu" device and through ``torch.compile(backend="tpu")``, against CPU eager torch.
 
 Real architectures nobody here wrote (``zoo_models``: Hugging Face Llama, GPT-2, BERT with a padding
-mask, T5, Mixtral (mixture of experts), a torchvision-style ResNet with BatchNorm, an LSTM/GRU language model with tied weights)
+mask, T5, Mixtral (mixture of experts), Swin (shifted-window vision transformer), a torchvision-style ResNet with BatchNorm, an LSTM/GRU language model with tied weights)
 train ``STEPS`` AdamW steps from the same initial weights in each way a user runs them:
 
 - ``strict`` / ``fused``: the model moved with ``.to("tpu")``, eager device ops in that mode;

@@ -95,8 +95,23 @@ def hf_mixtral():
     return model, batches, _hf_loss
 
 
+def hf_swin():
+    """A vision transformer with shifted windows: torch.roll, window partition views, relative
+    position bias gathered by index, patch merging, layer norms."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    cfg = SwinConfig(image_size=32, patch_size=4, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                     window_size=4, num_labels=5, drop_path_rate=0.0, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    model = SwinForImageClassification(cfg)
+    g = torch.Generator().manual_seed(7)
+    batches = [dict(pixel_values=torch.randn(BATCH, 3, 32, 32, generator=g),
+                    labels=torch.randint(0, 5, (BATCH,), generator=g)) for _ in range(STEPS)]
+    return model, batches, _hf_loss
+
+
 HF_FAMILIES = {"hf_llama": hf_llama, "hf_gpt2": hf_gpt2, "hf_bert": hf_bert, "hf_t5": hf_t5,
-               "hf_mixtral": hf_mixtral}
+               "hf_mixtral": hf_mixtral, "hf_swin": hf_swin}
 
 
 # -- torch.nn families ----------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import tpudist.ops as tops
 from tpudist.device import _core as core
 from tpudist.device import _runtime as rt
 from tpudist.device import views
+from tpudist.device._storage import has_buffer
 
 aten = torch.ops.aten
 _LIBS: list = []
@@ -202,11 +203,17 @@ def _kind(x):
     return "None" if x is None else f"Tensor{tuple(x.shape)}"
 
 
-def _inplace_view(view_op):
+def _inplace_view(inplace_op, view_op):
     """An in-place view op (``transpose_``, ``squeeze_``, ``as_strided_`` ...) as ``set_data`` with the
     geometry of its out-of-place twin: torch's C++ kernels restride through ``setStorage``, which checks
-    the bytes of the storage (empty here: the values live in the storage's ``jax.Array``)."""
+    the bytes of the storage (empty here: the values live in the storage's ``jax.Array``).
+
+    A tensor subclass wrapping tpu tensors (AOTAutograd's FunctionalTensor replays a metadata
+    mutation on its wrapper, whose device is tpu) holds no device buffer and cannot take ``set_data``
+    of a plain tensor: its sizes and strides change through the Meta kernel, as on any device."""
     def kernel(x, *args, **kwargs):
+        if not has_buffer(x):
+            return inplace_op.redispatch(core.META, x, *args, **kwargs)
         x.data = view_op.redispatch(core.META, x, *args, **kwargs)
         return x
     return kernel
@@ -225,7 +232,7 @@ _SPECIAL = {
     aten.native_batch_norm.default: native_batch_norm,
     aten.native_batch_norm.out: native_batch_norm_out,
     aten.batch_norm_gather_stats_with_counts.default: batch_norm_gather_stats_with_counts,
-    **{inplace: _inplace_view(view) for inplace, view in (
+    **{inplace: _inplace_view(inplace, view) for inplace, view in (
         (aten.as_strided_.default, aten.as_strided.default), (aten.transpose_.default, aten.transpose.int),
         (aten.t_.default, aten.t.default), (aten.squeeze_.default, aten.squeeze.default),
         (aten.squeeze_.dim, aten.squeeze.dim), (aten.squeeze_.dims, aten.squeeze.dims),

@@ -37,6 +37,11 @@ def buffer_of(t: torch.Tensor) -> Buffer:
     return buf
 
 
+def has_buffer(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds a device buffer (a tensor subclass wrapping tpu tensors does not)."""
+    return getattr(t.untyped_storage(), _ATTR, None) is not None
+
+
 def is_tpu(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "tpu"
 
