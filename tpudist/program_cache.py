@@ -413,8 +413,10 @@ def _split(raw: bytes) -> tuple[dict, bytes, str | None]:
     except ValueError:
         return {}, b"", "unreadable header"
     payload = raw[start + size:]
-    if not isinstance(header, dict) or header.get("size") != len(payload):
-        return {}, b"", f"payload of {len(payload)} bytes, header says {header.get('size') if isinstance(header, dict) else '?'}"
+    if not isinstance(header, dict):
+        return {}, b"", "unreadable header"
+    if header.get("size") != len(payload):
+        return {}, b"", f"payload of {len(payload)} bytes, header says {header.get('size')}"
     if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         return {}, b"", "checksum mismatch"
     return header, payload, None
