@@ -1,0 +1,125 @@
+"""Greedy decoding on the "tpu" device (Strict, Fused) against CPU eager: per-token time, compiles per token.
+
+    python benchmarks/decode.py                          # 16 and 64 new tokens, the project's model
+    python benchmarks/decode.py --new-tokens 16 64 256 --hf
+
+The project's Llama-style model decodes with a static KV cache (``recipes/generate.py``): a prefill,
+then one step per token whose position is a Python int. For each number of new tokens and each mode:
+the first call (compiles) and the median of ``--rounds`` later calls, run in a rotating order so machine
+noise hits every mode alike. Printed per mode: median per-token decode time, its ratio to CPU eager,
+and the programs + kernels compiled per token (prefill excluded) in the first and the later calls.
+``--hf`` adds a tiny Hugging Face Llama's ``generate(cache_implementation="static")`` (whole-call time
+per token, compiles including HF's own torch.compile of the decoding forward). Writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import runpy
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # CPU eager shares the cores with XLA: one thread each
+
+import torch  # noqa: E402
+
+GENERATE = Path(__file__).resolve().parents[1] / "recipes" / "generate.py"
+MODES = ("cpu", "strict", "fused")
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--new-tokens", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3, help="warm calls per mode (interleaved)")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hf", action="store_true", help="also a tiny Hugging Face Llama (needs transformers)")
+    return p.parse_args(argv)
+
+
+def _call(gen, model, prompt, new_tokens, mode):
+    if mode == "cpu":
+        run = gen["generate"](model, prompt, new_tokens)
+    else:
+        with torch.tpu.eager_mode(mode):
+            run = gen["generate"](model, prompt, new_tokens)
+    per_token = statistics.median(run.step_seconds) if run.step_seconds else float("nan")
+    return run.tokens, per_token, sum(run.compiled_per_step[1:]) / max(new_tokens - 1, 1)
+
+
+def _project(gen, a, new_tokens: int) -> None:
+    torch.manual_seed(0)
+    args = gen["ModelArgs"](vocab_size=128, dim=a.dim, n_layers=a.layers, n_heads=4, n_kv_heads=2,
+                            max_seq_len=a.prompt_len + new_tokens)
+    base = gen["Transformer"](args).eval()
+    models = {"cpu": base, **{m: copy.deepcopy(base).to("tpu") for m in MODES[1:]}}
+    prompt = torch.randint(0, args.vocab_size, (1, a.prompt_len))
+    first, warm, warm_compiles, tokens = {}, {m: [] for m in MODES}, {m: 0.0 for m in MODES}, {}
+    for mode in MODES:
+        tokens[mode], first[mode], compiles = _call(gen, models[mode], prompt, new_tokens, mode)
+        first[mode] = (first[mode], compiles)
+    for r in range(a.rounds):
+        order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+        for mode in order:
+            out, per_token, compiles = _call(gen, models[mode], prompt, new_tokens, mode)
+            warm[mode].append(per_token)
+            warm_compiles[mode] = max(warm_compiles[mode], compiles)
+            tokens[mode] = out if torch.equal(out, tokens[mode]) else None
+    cpu = statistics.median(warm["cpu"])
+    print(f"\nproject model dim={a.dim} layers={a.layers}, prompt {a.prompt_len}, {new_tokens} new tokens, "
+          f"static KV cache; per-token decode time (median step), compiles per token (prefill excluded)")
+    print(f"  {'mode':<7} {'first ms/tok':>12} {'first comp/tok':>15} {'warm ms/tok':>12} {'vs cpu':>7} "
+          f"{'warm comp/tok':>14} {'tokens = cpu':>13}")
+    for mode in MODES:
+        med = statistics.median(warm[mode])
+        same = tokens[mode] is not None and torch.equal(tokens[mode], tokens["cpu"])
+        print(f"  {mode:<7} {first[mode][0] * 1e3:12.2f} {first[mode][1]:15.2f} {med * 1e3:12.2f} "
+              f"{med / cpu:6.2f}x {warm_compiles[mode]:14.2f} {str(same):>13}")
+
+
+def _hf(gen, a, new_tokens: int) -> None:
+    torch.manual_seed(0)
+    base = gen["_hf_model"]()
+    models = {"cpu": base, **{m: copy.deepcopy(base).to("tpu") for m in MODES[1:]}}
+    prompt = torch.randint(0, 128, (1, a.prompt_len))
+    cache_len = a.prompt_len + max(a.new_tokens)
+    rows = {}
+    for mode in MODES:
+        times, compiles, outs = [], [], []
+        for _ in range(1 + a.rounds):
+            start = time.perf_counter()
+            if mode == "cpu":
+                out, _, compiled = gen["hf_generate"](models[mode], prompt, new_tokens, cache_len, compile_forward=False)
+            else:
+                with torch.tpu.eager_mode(mode):
+                    out, _, compiled = gen["hf_generate"](models[mode], prompt, new_tokens, cache_len)
+            times.append((time.perf_counter() - start) / new_tokens)
+            compiles.append(compiled / new_tokens)
+            outs.append(out)
+        rows[mode] = (times[0], compiles[0], statistics.median(times[1:]), max(compiles[1:]), outs)
+    cpu = rows["cpu"][2]
+    print(f"\nHF Llama (tiny) generate, static cache, {new_tokens} new tokens; whole call per token")
+    for mode, (t0, c0, tw, cw, outs) in rows.items():
+        same = all(torch.equal(o, rows["cpu"][4][0]) for o in outs)
+        print(f"  {mode:<7} first {t0 * 1e3:8.2f} ms/tok ({c0:.2f} comp/tok)  warm {tw * 1e3:8.2f} ms/tok "
+              f"{tw / cpu:6.2f}x cpu ({cw:.2f} comp/tok)  tokens = cpu: {same}")
+
+
+def main(argv=None) -> None:
+    a = _args(argv)
+    import tpudist.device  # noqa: F401
+
+    gen = runpy.run_path(str(GENERATE), run_name="generate_recipe")
+    for new_tokens in a.new_tokens:
+        _project(gen, a, new_tokens)
+    if a.hf:
+        for new_tokens in a.new_tokens:
+            _hf(gen, a, new_tokens)
+
+
+if __name__ == "__main__":
+    main()
