@@ -191,7 +191,7 @@ class _Local:
         try:
             (self.path / name).unlink()
             return True
-        except FileNotFoundError:  # another process evicted it first
+        except OSError:  # another process evicted it first, or a read-only share
             return False
 
 
@@ -247,7 +247,7 @@ class _Fsspec:
         try:
             self.fs.rm_file(self.join(name))
             return True
-        except FileNotFoundError:
+        except OSError:  # another process evicted it first, or no permission
             return False
 
 
