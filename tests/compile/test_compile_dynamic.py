@@ -250,6 +250,32 @@ def test_decoder_lm_loss_over_lengths_up_to_max_seq_len():
     assert (counts.padded, counts.exact, counts.xla_graphs) == (1, 0, 2), (vars(counts), counts.fallbacks)
 
 
+def test_hf_llama_default_config_over_lengths():
+    """Hugging Face Llama at its default config (use_cache=True: the KV cache's first update is a cat
+    onto an empty tensor along the length), loss over the logits: one program for every length."""
+    transformers = pytest.importorskip("transformers", reason="Hugging Face transformers not installed")
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64)).eval()
+    ref = copy.deepcopy(model)
+
+    def loss(m, ids, labels):
+        return F.cross_entropy(m(input_ids=ids).logits.flatten(0, 1), labels.flatten())
+
+    step = torch.compile(loss, backend="tpu")
+    with Counts() as counts:
+        for t in (6, 9, 13, 20):
+            ids = torch.randint(1, 64, (2, t))
+            labels = torch.roll(ids, -1, 1)
+            labels[:, -1] = -100
+            torch._dynamo.mark_dynamic(ids, 1)  # noqa: SLF001
+            torch._dynamo.mark_dynamic(labels, 1)  # noqa: SLF001
+            _check_step(step, loss, model, ref, ids, labels)
+    assert (counts.padded, counts.exact) == (1, 0), (vars(counts), counts.fallbacks)
+
+
 # -- "tpu" device tensors ---------------------------------------------------------------------------
 def run_device_dynamic_mlp() -> dict:
     """A device MLP trained over varying batch sizes (dynamic=True): one padded program, grads as CPU's."""

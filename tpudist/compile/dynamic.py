@@ -398,7 +398,13 @@ class _Analysis:
             return f"{target} along {s}" if dim in _dims(x, s) else None
         if target is aten.cat.default:
             dim = (args[1] if len(args) > 1 else 0) % max(val.dim(), 1)
-            return f"cat along {s}" if dim in _dims(val, s) else None
+            if dim not in _dims(val, s):
+                return None
+            # along s only onto empty tensors (a KV cache's first update: cat([empty, k], dim=-2))
+            parts = [a.meta.get("val") for a in args[0]]
+            empty = [p for p in parts if (p.dim() == val.dim() and _expr(p.shape[dim]) == 0)
+                     or (p.dim() == 1 and _expr(p.shape[0]) == 0)]  # cat skips 1-d empty tensors
+            return None if len(empty) == len(parts) - 1 else f"cat along {s}"
         if target is aten.slice.Tensor:
             dim = (args[1] if len(args) > 1 else 0) % max(x.dim(), 1)
             start = args[2] if len(args) > 2 else None
