@@ -48,7 +48,7 @@ def _cached_steps(device, length: int, steps: int, width: int):
         before = _compiled() if device == "tpu" else 0
         cache[:, pos:pos + 1] = torch.full((2, 1, width), float(pos + 1), device=device)
         seen = cache.masked_fill(~positions.le(pos)[None, :, None], 0).sum(1) + pos  # int Scalar, int wrapped
-        slot = cache[:, pos].sum() * pos  # a view at a moving storage offset
+        slot = cache[:, pos].sum() * pos + torch.tensor(pos)  # a view at a moving offset; a 0-dim CPU int
         outs.append((seen.cpu(), slot.cpu()))
         compiled.append(_compiled() - before if device == "tpu" else 0)
     return outs, cache.cpu(), compiled

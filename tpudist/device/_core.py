@@ -514,47 +514,46 @@ def kernel_for(op, args, kwargs):
     static = id(op) in _STATIC_FLOAT_OPS
     key, leaves, buffers, scalars = _signature(op, args, kwargs, static)
     dynamic = rt.dynamic_scalars()
-    static_key, static_scalars = key, scalars
-    if dynamic and id(op) in _DYNAMIC_OPS:
-        site, values = _site_of(op, key)
-        entry = _SITES.get(site)
-        if entry is not None and entry.dynamic:
-            # an int at its first value stays a constant (the kernel the first call built): a second
-            # run then records the same kernels, and reuses the first run's programs
-            moved = frozenset(i for (i, v), (_, first) in zip(values, entry.first) if v != first and i in entry.dynamic)
-            general = _generalise(key, scalars, moved) if moved else None
-            if general is not None:
-                key, scalars = general
     kernel = _KERNELS.get(key)
-    if kernel is None:
-        rt.stats["misses"] += 1
+    if kernel.__class__ is _Generalised:
         if dynamic:
-            promoted = _promote(op, static_key, leaves, static_scalars)
-            if promoted is not None:
-                return promoted[0], leaves, buffers, promoted[1]
-        try:
-            kernel = _build(op, key, leaves)
-        except _ResizeOut as e:
-            for leaf, shape in e.resize:
-                leaves[leaf].resize_(shape)
-            return kernel_for(op, args, kwargs)
-        except TypeError as e:  # JAX's concretization errors are TypeErrors too
-            # A decomposition that branches on a float argument (torch._check(delta > 0) raises "cond
-            # must be a bool") gets a traced value when the float is a program input: run the op with its
-            # floats as constants instead.
-            concretization = isinstance(e, (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
-                                            jax.errors.TracerIntegerConversionError))
-            if static or not (concretization or "cond must be a bool" in str(e)):
-                raise
-            _STATIC_FLOAT_OPS.add(id(op))
-            return kernel_for(op, args, kwargs)
-        _KERNELS[key] = kernel
-        if dynamic and key is static_key:
-            site, values = _site_of(op, key)
-            if values and site not in _SITES:
-                _SITES[site] = _Site(values, kernel)
-    else:
+            rt.stats["hits"] += 1
+            return kernel.kernel, leaves, buffers, scalars + kernel.ints
+        kernel = None
+    if kernel is not None:
         rt.stats["hits"] += 1
+        return kernel, leaves, buffers, scalars
+    if dynamic:
+        promoted = _promote(op, key, leaves, scalars)
+        if promoted is not None:
+            kernel, general_scalars = promoted
+            global _num_generalised
+            if _num_generalised < _MAX_GENERALISED:  # an int counting up forever must not grow the table forever
+                _num_generalised += 1
+                _KERNELS[key] = _Generalised(kernel, general_scalars[len(scalars):])
+            return kernel, leaves, buffers, general_scalars
+    rt.stats["misses"] += 1
+    try:
+        kernel = _build(op, key, leaves)
+    except _ResizeOut as e:
+        for leaf, shape in e.resize:
+            leaves[leaf].resize_(shape)
+        return kernel_for(op, args, kwargs)
+    except TypeError as e:  # JAX's concretization errors are TypeErrors too
+        # A decomposition that branches on a float argument (torch._check(delta > 0) raises "cond
+        # must be a bool") gets a traced value when the float is a program input: run the op with its
+        # floats as constants instead.
+        concretization = isinstance(e, (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+                                        jax.errors.TracerIntegerConversionError))
+        if static or not (concretization or "cond must be a bool" in str(e)):
+            raise
+        _STATIC_FLOAT_OPS.add(id(op))
+        return kernel_for(op, args, kwargs)
+    _KERNELS[key] = kernel
+    if dynamic:
+        site, values = _site_of(op, key)
+        if values and site not in _SITES:
+            _SITES[site] = _Site(values, kernel)
     return kernel, leaves, buffers, scalars
 
 
@@ -572,18 +571,32 @@ def kernel_for(op, args, kwargs):
 _SITES: dict = {}
 _HINTS: dict = {}
 _NEVER = object()  # a hinted site's "first value": no value stays a constant there
-_DYNAMIC_OPS: set = set()
 _ELIGIBLE: dict = {}
 _RUNTIME_KINDS = ("F", "C", "D", "V")
 _EXACT = 2 ** 53  # float64 holds every int below this exactly
-_NOT_RUNTIME_INTS = ("dtype", "layout", "memory_format")
+_MAX_GENERALISED = 1 << 16  # signatures remembered as generalised; beyond, each call is generalised anew
+_num_generalised = 0
+# parameters whose int value picks a different computation in the lowerings, not just a number in it:
+# pow's integer exponent (x*x, exact like torch, vs a float power) and addmm's beta=0 (ignore the bias,
+# NaNs included); the rest of an op's ints are safe as inputs or refused by tracing
+_NOT_RUNTIME_INTS = ("dtype", "layout", "memory_format", "exponent", "beta")
+
+
+class _Generalised:
+    """What a signature with constant ints maps to once some of them are inputs: the kernel, and the
+    values of those ints (the signature holds them: one entry per distinct value, one kernel for all)."""
+
+    __slots__ = ("kernel", "ints")
+
+    def __init__(self, kernel, ints):
+        self.kernel, self.ints = kernel, ints
 
 
 class _Site:
     __slots__ = ("first", "kernel", "dynamic", "static")
 
     def __init__(self, first, kernel):
-        self.first = first          # the ints' values at the first call, by candidate position
+        self.first = first          # ((position, value at the first call), ...) of the candidate ints
         self.kernel = kernel        # the kernel built for them: its result shapes are the reference
         self.dynamic = frozenset()  # positions (indices into the signature) that are runtime inputs
         self.static = set()         # positions that must stay constants
@@ -664,16 +677,16 @@ def _promote(op, key, leaves, scalars):
         general = _generalise(key, scalars, hinted)
         if general is None:
             return None
+        rt.stats["misses"] += 1
         try:
             kernel = _build(op, general[0], leaves)
         except Exception:  # noqa: BLE001 - as below: this site keeps its ints constant
             return None
-        entry = _SITES[site] = _Site(tuple((i, _NEVER) for i, _ in values), kernel)  # no first value: all inputs
+        # no first value stays a constant at the hinted places
+        entry = _SITES[site] = _Site(tuple((i, _NEVER if i in hinted else v) for i, v in values), kernel)
         entry.dynamic = hinted
         _KERNELS[general[0]] = kernel
         return kernel, general[1]
-    if entry.kernel is None:
-        return None
     changed = {i for (i, v), (_, first) in zip(values, entry.first) if v != first}
     new = changed - entry.dynamic - entry.static
     positions = changed - entry.static
@@ -685,6 +698,7 @@ def _promote(op, key, leaves, scalars):
     gkey, gscalars = general
     kernel = _KERNELS.get(gkey)
     if kernel is None:
+        rt.stats["misses"] += 1
         try:
             kernel = _build(op, gkey, leaves)
         except Exception:  # noqa: BLE001 - a lowering needs the value (concretization) or rejects a tracer
@@ -698,7 +712,6 @@ def _promote(op, key, leaves, scalars):
         entry.dynamic = entry.dynamic | new
         hint = _hint_of(site)
         _HINTS[hint] = _HINTS.get(hint, frozenset()) | new
-        _DYNAMIC_OPS.add(id(op))
         rt.stats["dynamic_ints"] += len(new)
     return kernel, gscalars
 
