@@ -82,7 +82,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None
     if mode not in (None, "default"):
         warnings.warn(f"torch.compile(backend='tpu') ignores mode={mode!r}", stacklevel=2)
     check_devices(gm, example_inputs)
-    if is_dynamic(example_inputs):
+    if is_dynamic(gm, example_inputs):
         return DynamicGraph(gm, example_inputs, functools.partial(_static, opts=opts), opts.buckets,
                             name=_graph_name(gm))
     return _static(gm, example_inputs, opts)

@@ -72,9 +72,11 @@ class Stats:
 STATS = Stats()
 
 
-def is_dynamic(example_inputs: list) -> bool:
-    """Whether Dynamo's example inputs hold a symbolic size (a SymInt input or a symbolic tensor dim)."""
-    for x in example_inputs:
+def is_dynamic(gm: torch.fx.GraphModule, example_inputs: list) -> bool:
+    """Whether Dynamo's graph has a symbolic size: a SymInt input, or a symbolic dim of an input's
+    example value (Dynamo hands real tensors as example inputs, fake ones in the placeholders' meta)."""
+    fakes = [n.meta.get("val", n.meta.get("example_value")) for n in gm.graph.nodes if n.op == "placeholder"]
+    for x in [*example_inputs, *fakes]:
         if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return True
         if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) and _symbolic(d) for d in x.shape):
@@ -137,6 +139,7 @@ _FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, at
               aten.new_ones.default, aten.new_full.default, aten.new_empty.default, aten.full_like.default,
               aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.scalar_tensor.default,
               aten.empty_strided.default}
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 _CONTRACTIONS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default, aten.dot.default}
 _SUMS = {aten.sum.dim_IntList, aten.sum.default,  # padding is zero (False for any)
          aten.any.dim, aten.any.dims, aten.any.default}
@@ -296,6 +299,8 @@ class _Analysis:
                 v = out.meta.get("val") if isinstance(out, torch.fx.Node) else out
                 if _tensor(v) and any(_expr(v.shape[i]) != s for i in _dims(v, s, self.orders)):
                     self.no(s, node, f"the graph returns a tensor of shape {tuple(v.shape)}: {s} merged into a dim")
+                if isinstance(out, torch.fx.Node) and out.op == "placeholder" and _dims(v, s):
+                    self.no(s, node, f"the graph returns its input {out.name} (the padded copy would not alias it)")
                 if not _tensor(v) and isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) \
                         and s in v.node.expr.free_symbols:
                     self.no(s, node, f"the graph returns a size ({v}) of {s}")
@@ -356,6 +361,11 @@ class _Analysis:
 
         args = node.args
         x = args[0].meta.get("val") if args and isinstance(args[0], torch.fx.Node) else None
+        if target in _ARANGES:
+            end = args[0] if target is aten.arange.default else args[1]
+            e = _expr(end.meta["val"]) if isinstance(end, torch.fx.Node) else end
+            if not isinstance(e, int) and e != s:  # values i = 0..k*P-1 would differ from 0..k*n-1
+                return f"arange of size {e}"
         if target in _FACTORIES or target in _SAME_LAYOUT or target in _REARRANGE or target in _SUMS \
                 or target in _MEANS or target in _CONTRACTIONS or target is aten.sym_size.int:
             return None
@@ -593,7 +603,8 @@ def _rewrite(aten_gm: torch.fx.GraphModule, padded: dict, located: dict,
         m = mask_of(new, val, dims_syms)
         if val.dtype == torch.bool:
             return graph.call_function(aten.logical_and.default, (new, m)) if value == 0 else new
-        value = value if (val.is_floating_point() or val.is_complex()) else int(value)
+        if not (val.is_floating_point() or val.is_complex()):  # integer amax/amin: the dtype's extremes
+            value = 0 if value == 0 else torch.iinfo(val.dtype).min if value < 0 else torch.iinfo(val.dtype).max
         return graph.call_function(aten.where.ScalarOther, (m, new, value))
 
     output_dims = []
