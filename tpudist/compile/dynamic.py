@@ -12,17 +12,18 @@ sizes compile O(buckets) programs. Safety is decided once per graph on its symbo
 (Core ATen, traced with Dynamo's own fake tensors), per symbol ``s``:
 
 - every op touching a dim of size ``s`` is row-independent along it: pointwise/broadcast ops, views
-  that keep the dim a dim of its own, transposes, matmuls (contracting over ``s`` included), sums,
-  means, softmax/log_softmax/amax/amin (rewritten, see below), layer norm over other dims, cumsum,
-  embedding/gather/index_select of padded indices, slices and selects along other dims;
-- no dim or size value is an expression of ``s`` other than ``s`` itself (``x.size(0) * 2``,
-  ``flatten`` of a padded dim with another dim, ``s`` used as a number);
+  that keep ``s`` a factor of its own (``(b, s, d) -> (b * s, d)`` is tracked as a merged dim of
+  known layout), transposes, matmuls (contracting over ``s`` included), sums, means,
+  softmax/log_softmax/amax/amin (rewritten, see below), layer norm over other dims, cumsum,
+  embedding/gather/index_select of padded indices, slices, selects and cats along other dims;
+- a size of ``s`` shapes tensors only: it is never used as a number (``x.sum() / x.size(0)``), and
+  no dim is an expression of ``s`` other than ``s`` or a merged dim a view made;
 - no random ops (the draws would differ from the unpadded program's), no in-place ops, no
   grad-mode or autocast switches, no higher-order ops.
 
 The padded graph carries the real length of each padded symbol as a runtime input (a 0-d int64
-tensor), so one program serves every size of a bucket. Every op result with a padded dim is
-multiplied out (``where(valid, x, 0)``) at the padding: padding stays exactly zero in the forward,
+tensor), so one program serves every size of a bucket. Every op result with a padded dim is set to
+zero at the padding (``where(valid, x, 0)``): padding stays exactly zero in the forward,
 and the backward of that ``where`` gives exactly zero gradients there, so contractions over the
 padded dim (parameter gradients, ``sum``) see zeros. Means over a padded dim divide by the real
 count; softmax, log_softmax and amax put ``-inf`` (amin ``+inf``) at padding first. In training, a
