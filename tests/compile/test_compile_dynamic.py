@@ -161,6 +161,33 @@ def test_bad_buckets_option():
         tc.backend(None, [], options={"buckets": 128})
 
 
+@torch.library.custom_op("tpudist_test::dyn_mystery", mutates_args=())
+def _mystery(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+@_mystery.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _with_mystery(x):
+    return torch.ops.tpudist_test.dyn_mystery(x.sin()).cos().sum(0)
+
+
+def test_graph_break_option_on_a_dynamic_graph():
+    """An op without a lowering (not known row-independent either): per size, split around the op."""
+    fn = torch.compile(_with_mystery, backend="tpu", options={"on_missing_op": "graph_break"})
+    with Counts() as counts:
+        for n in (3, 5):
+            x = torch.randn(n, 4)
+            torch._dynamo.mark_dynamic(x, 0)  # noqa: SLF001
+            with pytest.warns(UserWarning, match="eagerly"):
+                torch.testing.assert_close(fn(x), _with_mystery(x))
+    assert (counts.padded, counts.exact) == (0, 2), vars(counts)
+    assert any("dyn_mystery" in why for _, _, why in counts.fallbacks), counts.fallbacks
+
+
 class Block(torch.nn.Module):
     """Embedding, learned positions (sliced to the length), pre-norm attention (SDPA) and MLP, a head."""
 

@@ -667,6 +667,9 @@ def _specialize(gm: torch.fx.GraphModule, ints: dict[int, int], scalars: dict | 
     for i, value in ints.items():
         phs[i].replace_all_uses_with(value)
         graph.erase_node(phs[i])
+    for node in graph.nodes:  # symbolic values of the dynamic trace: stale here (split_module reads them)
+        node.meta.pop("val", None)
+        node.meta.pop("example_value", None)
     return torch.fx.GraphModule(gm, graph)
 
 
