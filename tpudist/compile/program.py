@@ -122,8 +122,9 @@ class GraphProgram:
             if isinstance(x, torch.Tensor):
                 self._tensor_at.append(i)
             elif isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-                raise UnsupportedGraph(f"{name}: input {node.name} is a symbolic size ({x}); the tpu backend "
-                                       "compiles static shapes only: pass dynamic=False to torch.compile")
+                raise UnsupportedGraph(f"{name}: input {node.name} is a symbolic size ({x}) in a static program: "
+                                       "tpudist.compile.dynamic specializes dynamic graphs, so this is a bug "
+                                       "there (dynamic=False avoids dynamic graphs)")
         from tpudist.ops import to_jax_dtype
 
         self._avals = [jax.core.ShapedArray(tuple(example_inputs[i].shape), to_jax_dtype(example_inputs[i].dtype))
@@ -176,8 +177,9 @@ class GraphProgram:
                 plan.append(_Output("array", len(computed), arg.meta["val"].dtype))
                 computed.append(arg)
             elif isinstance(arg, torch.fx.Node):
-                raise UnsupportedGraph(f"graph output {arg.name} is not a tensor ({arg.meta.get('val')!r}); "
-                                       "the tpu backend compiles graphs with static shapes only")
+                raise UnsupportedGraph(f"graph output {arg.name} is not a tensor ({arg.meta.get('val')!r}) in a "
+                                       "static program: tpudist.compile.dynamic specializes dynamic graphs, so "
+                                       "this is a bug there (dynamic=False avoids dynamic graphs)")
             else:
                 plan.append(_Output("value", value=arg))
         return plan, computed
