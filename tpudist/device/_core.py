@@ -6,7 +6,8 @@ holds a ``Buffer`` (``_storage``): every alias (views, ``detach``, ``.data``, Pa
 One kernel serves every op (registered per op and as the PrivateUse1 fallback):
 - view ops run torch's Meta kernel on the tpu tensor itself (real strides over the shared storage);
 - any other op becomes a ``Kernel``, cached by a signature (op, tree structure, each tensor's
-  geometry/dtype/storage slot, static arguments; Python floats are inputs, not constants), which
+  geometry/dtype/storage slot, static arguments; Python floats are inputs, not constants, and so are
+  ints that change at the same place: automatic dynamic ints, below), which
   reads its tensors out of the storages, runs the functional op through ``tpudist.ops.call`` and
   writes back every argument the schema marks written (``Tensor(a!)``: in-place, ``out=``, and ops
   like ``_native_batch_norm_legit`` that are neither) from its functional twin's results (several
@@ -566,7 +567,10 @@ def kernel_for(op, args, kwargs):
 # kernel (in the float64 scalar vector, exact below 2**53) and every later value reuses the kernel.
 # An int that decides a shape (torch's meta kernel gives other result shapes for the two values) or
 # that a lowering needs as a Python value (JAX raises a concretization error while tracing) stays a
-# constant at that site.
+# constant at that site. The first value keeps its constant kernel, so a second run (a second
+# generate call) records the same kernels as the first and reuses its fused programs. A new site that
+# differs from a generalised one only in its storages' sizes (a cache in a longer sequence, token ids
+# moved to the next capacity) takes the same ints as inputs at once (a "hint").
 
 _SITES: dict = {}
 _HINTS: dict = {}
