@@ -93,7 +93,8 @@ def _hf(gen, a, new_tokens: int) -> None:
         for _ in range(1 + a.rounds):
             start = time.perf_counter()
             if mode == "cpu":
-                out, _, compiled = gen["hf_generate"](models[mode], prompt, new_tokens, cache_len, compile_forward=False)
+                out, _, compiled = gen["hf_generate"](models[mode], prompt, new_tokens, cache_len,
+                                                      compile_forward=False)
             else:
                 with torch.tpu.eager_mode(mode):
                     out, _, compiled = gen["hf_generate"](models[mode], prompt, new_tokens, cache_len)

@@ -162,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for call in ("first", "second"):
         run = generate(model, prompt, args.new_tokens)
         equal = torch.equal(run.tokens, reference)
-        _report(f"tpudist model, {args.mode}, {call} call", run.seconds, args.new_tokens, sum(run.compiled_per_step), equal)
+        _report(f"tpudist model, {args.mode}, {call} call", run.seconds, args.new_tokens,
+                sum(run.compiled_per_step), equal)
         results[f"model_{call}"] = run
         if not equal:
             raise SystemExit(f"greedy tokens differ from CPU eager: {run.tokens.tolist()} vs {reference.tolist()}")
@@ -178,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             _report(f"HF Llama static cache, {call} call", seconds, args.new_tokens, compiled, equal)
             results[f"hf_{call}"] = (tokens, compiled)
             if not equal:
-                raise SystemExit(f"HF greedy tokens differ from CPU eager: {tokens.tolist()} vs {hf_reference.tolist()}")
+                raise SystemExit(f"HF greedy tokens differ from CPU eager: {tokens.tolist()} vs "
+                                 f"{hf_reference.tolist()}")
     return results
 
 
