@@ -509,14 +509,13 @@ def run_fused_disk_cache_per_device():
     import torch.distributed as dist
 
     import tpudist.device  # noqa: F401
-    from tpudist.jax_cache import cache_dir
+    from tpudist import program_cache
 
     with torch.tpu.eager_mode("fused"):
         y = (torch.arange(4.0, device="tpu") + float(dist.get_rank())) * 3.0
         values = y.cpu().tolist()
     dist.barrier()
-    files = sorted(p.name for p in (cache_dir() / "tpudist_fused").glob("*.jaxexport"))
-    return values, files
+    return values, sorted(k for k in program_cache.default_cache().keys() if k.startswith("fused-"))
 
 
 def run_import_state():
@@ -568,9 +567,9 @@ def test_each_rank_of_a_tpu_world_uses_its_own_chip(tmp_path):
     assert [d for _, d, _ in results] == devices and len(set(devices)) == 2
     assert [v for _, _, v in results] == [[0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]]
     assert [v for v, _ in fused] == [[0.0, 3.0, 6.0, 9.0], [3.0, 6.0, 9.0, 12.0]]
-    if has_export:  # the fused disk cache is on: one program per device, never rank 0's run by rank 1
+    if has_export:  # the program cache is on: one traced program, which both devices run
         files = fused[0][1]
-        assert fused[1][1] == files and len(files) == 2, files
+        assert fused[1][1] == files and len(files) == 1, files
 
 
 @pytest.mark.parametrize("mode", MODES)

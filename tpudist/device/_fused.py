@@ -106,21 +106,6 @@ def _program(nodes, live):
     return jax.jit(run)
 
 
-def _disk_dir():
-    """Traced fused programs on disk, next to JAX's persistent cache (None when it is off).
-
-    Off as well without ``flatbuffers``, which ``jax.export`` serialization needs.
-    """
-    import importlib.util
-
-    from tpudist.jax_cache import cache_dir
-
-    if importlib.util.find_spec("flatbuffers") is None:
-        return None
-    base = cache_dir()
-    return None if base is None else base / "tpudist_fused"
-
-
 @functools.cache
 def _source_fingerprint() -> str:
     """A hash of tpudist.ops and tpudist.device sources: editing a lowering invalidates disk programs."""
@@ -134,24 +119,20 @@ def _source_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def _disk_key(g: Graph, live) -> str:
-    """The file name of a graph's program. The emulated ranks of one machine share the cache folder,
-    so the key names the device (its global id and process) as well as the platform: a rank never
-    runs a program another rank's device traced."""
-    import jaxlib
-    import torch
-
+def _program_key(g: Graph, live) -> tuple:
+    """What decides a graph's traced program, as tpudist's program cache keys it (the cache adds the
+    jax/jaxlib/torch/tpudist versions). No device id and no process index: the ``jax.export`` module
+    names no device, so every rank and host that records the same graph shares one entry, and a rank
+    runs another rank's module on its own device (tests/compile/test_program_cache.py)."""
     device = rt.device()
-    parts = (jax.__version__, jaxlib.__version__, torch.__version__, _source_fingerprint(), str(device.platform),
-             device.device_kind, device.id, device.process_index,
-             os.environ.get("XLA_FLAGS", ""), tuple(k.stable_id for k, _, _ in g.nodes),
-             tuple(refs for _, refs, _ in g.nodes), tuple(live),
-             tuple((tuple(a.shape), str(a.dtype)) for a in g.inputs), len(g.scalars))
-    return hashlib.sha256(repr(parts).encode()).hexdigest()
+    return (_source_fingerprint(), str(device.platform), device.device_kind, os.environ.get("XLA_FLAGS", ""),
+            tuple(k.stable_id for k, _, _ in g.nodes), tuple(refs for _, refs, _ in g.nodes), tuple(live),
+            tuple((tuple(a.shape), str(a.dtype)) for a in g.inputs), len(g.scalars))
 
 
 def _load_or_compile(g: Graph, live, sc):
-    """A fused program, its traced module read from disk if an identical graph was traced before.
+    """A fused program, its traced module read from tpudist's program cache if any process or host
+    traced an identical graph before (``tpudist.program_cache``, ``<TPUDIST_CACHE_DIR>/programs``).
 
     JAX's persistent cache saves XLA's compile but not the tracing of hundreds of kernels into one
     program, which dominates a warm start. The traced program is stored as a ``jax.export`` module
@@ -161,36 +142,18 @@ def _load_or_compile(g: Graph, live, sc):
     """
     from jax import export
 
-    folder = _disk_dir()
-    path = None
-    exported = None
-    if folder is not None:
-        path = folder / f"{_disk_key(g, live)}.jaxexport"
-        if path.exists():
-            try:
-                exported = export.deserialize(bytearray(path.read_bytes()))
-                rt.stats["programs_from_disk"] += 1
-            except Exception:  # noqa: BLE001 - a stale or truncated entry: trace again and overwrite it
-                rt.stats["disk_cache_errors"] += 1
-    if exported is None:
-        try:
-            with jax.enable_x64(True):
-                exported = export.export(_program(g.nodes, live))(g.inputs, sc)
-        except NotImplementedError as e:
-            if "host_callbacks" not in str(e):
-                raise
-            # jax.export cannot serialize host callbacks (the runtime checks of _functional_assert_async):
-            # such a program is jitted as it is, and not kept on disk
-            return _program(g.nodes, live)
-        if path is not None:
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_bytes(exported.serialize())
-                tmp.replace(path)  # atomic: concurrent ranks of one machine may write the same entry
-            except OSError:  # the disk cache is an optimisation; never fail the step on it
-                rt.stats["disk_cache_errors"] += 1
-    return jax.jit(exported.call)
+    from tpudist import program_cache
+
+    def trace():
+        with jax.enable_x64(True):
+            return export.export(_program(g.nodes, live))(g.inputs, sc)
+
+    loaded = program_cache.load_or_export("fused", _program_key(g, live), trace)
+    if loaded.exported is None:  # caching off, or jax.export refuses the program (host callbacks)
+        return _program(g.nodes, live)
+    if loaded.from_cache:
+        rt.stats["programs_from_disk"] += 1
+    return jax.jit(loaded.exported.call)
 
 
 def flush() -> None:
