@@ -156,6 +156,8 @@ def test_debug_model_trains_like_cpu(dev):
 
 
 def test_memory_monitor(dev):
+    # torchtitan's metrics module imports tensorboard, a torchtitan dependency a --no-deps install lacks
+    pytest.importorskip("tensorboard", reason="tensorboard (torchtitan's metrics need it) is not installed")
     got = dev(run_memory_monitor)
     assert got["device_type"] == "tpu" and got["module"] == "torch.tpu", got
     assert isinstance(got["name"], str) and got["name"], got
