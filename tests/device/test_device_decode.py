@@ -169,3 +169,15 @@ def test_hf_static_cache_generate_compiles_once(mode, compile_forward):
     tokens, _, compiled = gen["hf_generate"](model, prompt, 10, compile_forward=compile_forward)
     assert torch.equal(tokens, reference)
     assert compiled == 0  # 10 new tokens compile nothing that 6 did not
+
+
+def test_reading_a_view_that_moves_along_its_storage_compiles_one_reader():
+    """``.cpu()`` / ``.item()`` of ``ids[:, i]`` for every i (a streaming decoder reading its newest
+    token): the view's offset is an argument of the reader, not a new program per position."""
+    x = torch.arange(2 * 40, dtype=torch.int64).reshape(2, 40)
+    d = x.to("tpu")
+    before = torch.tpu.cache_stats()["readers"]
+    for i in range(40):
+        assert torch.equal(d[:, i].cpu(), x[:, i]) and d[0, i].item() == i
+        assert torch.equal(d[:, i:i + 1].cpu(), x[:, i:i + 1])
+    assert torch.tpu.cache_stats()["readers"] - before <= 3  # d[:, i], d[0, i], d[:, i:i+1]

@@ -343,11 +343,12 @@ def set_cpu_fallback(on: bool) -> None:
 
 
 def cache_stats() -> dict:
-    """Counters: kernels compiled (strict/debug), fused programs, cache hits/misses, CPU fallbacks."""
+    """Counters: kernels compiled (strict/debug), fused programs, readers of values to the host
+    (one per view geometry), cache hits/misses, CPU fallbacks."""
     from tpudist.device import _fused
 
     stats = {"kernels": 0, "hits": 0, "misses": 0, "ops": 0, "recorded_ops": 0, "programs": 0, "syncs": 0,
-             "compile_s": 0.0, "graph_key_s": 0.0}
+             "readers": 0, "compile_s": 0.0, "graph_key_s": 0.0}
     stats.update(rt.stats)
     stats["pending_ops"] = _fused.pending_ops()
     stats["cpu_fallback_ops"] = dict(rt.fallback_ops)

@@ -85,19 +85,24 @@ def value_of(t: torch.Tensor):
         flush()
     flat = buf.value
     sizes, strides, offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
-    if flat is None:
-        return jnp.zeros(sizes, tops.to_jax_dtype(t.dtype))
-    key = (sizes, strides, offset, flat.shape, flat.dtype, t.dtype)
+    want = tops.to_jax_dtype(t.dtype)
+    if flat is None or 0 in sizes:
+        return jnp.zeros(sizes, want)
+    # The offset is an argument of the reader, not part of its key: reading a view that moves along its
+    # storage (a decode loop's ids[:, -1], a cache slot) reuses one program.
+    extent = 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
+    key = (sizes, strides, extent, flat.shape, flat.dtype, t.dtype)
     reader = _READERS.get(key)
     if reader is None:
-        want = tops.to_jax_dtype(t.dtype)
+        rt.stats["readers"] += 1
 
-        def read(f):
-            return views.read_as(f, sizes, strides, offset, want)
+        def read(f, start):
+            window = jax.lax.dynamic_slice(views.reinterpret(f, want), (start,), (extent,))
+            return views.read(window, sizes, strides, 0)
 
         reader = _READERS[key] = jax.jit(read)
     with jax.enable_x64(True):
-        return reader(flat)
+        return reader(flat, np.int64(offset))
 
 
 def _retype(value, want):
