@@ -43,6 +43,7 @@ BENCHMARKS = {
     "compile_step": [sys.executable, "benchmarks/compile_step.py", "--rounds", "8",
                      "--dtypes", "float32,bfloat16", "--variants", "eager,tpu"],
     "kernel_overhead": [sys.executable, "benchmarks/kernel_overhead.py", "--rounds", "15"],
+    "decode": [sys.executable, "benchmarks/decode.py", "--new-tokens", "16", "64", "--hf"],
 }
 TIMEOUT_S = 1800
 
@@ -123,9 +124,36 @@ def parse_kernel_overhead(out: str) -> dict:
     return {"what": head.split(",")[0] if head.startswith("RMSNorm") else "", "modes": modes}
 
 
+def parse_decode(out: str) -> dict:
+    """Tables of decode.py: one per model and number of new tokens, a row per mode."""
+    tables, current = [], None
+    for line in out.splitlines():
+        head = re.match(r"^(project model|HF Llama).*?(\d+) new tokens", line)
+        if head:
+            current = {"model": "project (static KV cache)" if head.group(1) == "project model" else
+                       "HF Llama generate (static cache)", "new_tokens": int(head.group(2)), "modes": []}
+            tables.append(current)
+            continue
+        cells = line.split()
+        if current is None or not cells or cells[0] not in ("cpu", "strict", "fused"):
+            continue
+        if len(cells) == 7:  # mode, first ms, first comp, warm ms, x cpu, warm comp, equal
+            first_ms, first_comp, warm_ms, ratio, warm_comp = cells[1:6]
+            current["modes"].append({"mode": cells[0], "first_ms": float(first_ms), "first_comp": float(first_comp),
+                                     "warm_ms": float(warm_ms), "x_cpu": float(ratio.rstrip("x")),
+                                     "warm_comp": float(warm_comp), "tokens_equal": cells[6] == "True"})
+        else:
+            nums = _floats(line)  # first ms, first comp, warm ms, x cpu, warm comp
+            if len(nums) >= 5:
+                current["modes"].append({"mode": cells[0], "first_ms": nums[0], "first_comp": nums[1],
+                                         "warm_ms": nums[2], "x_cpu": nums[3], "warm_comp": nums[4],
+                                         "tokens_equal": line.rstrip().endswith("True")})
+    return {"tables": tables}
+
+
 PARSERS = {"collectives": parse_collectives, "train_step_2": parse_train_step, "train_step_4": parse_train_step,
            "device_step": parse_device_step, "compile_step": parse_compile_step,
-           "kernel_overhead": parse_kernel_overhead}
+           "kernel_overhead": parse_kernel_overhead, "decode": parse_decode}
 
 
 # -- running -----------------------------------------------------------------------------------------
@@ -351,6 +379,20 @@ def render() -> None:
         for name, v in modes.items():
             rel = f"{v['best_us'] / bare:.2f}x" if bare else ""
             out.append(f"| {name} | {v['best_us']:.1f} | {v['median_us']:.1f} | {rel} |")
+        out.append("")
+    dec = results.get("decode")
+    if dec:
+        out += ["## Decoding", "", _provenance(dec), "",
+                "`benchmarks/decode.py`: greedy decoding, modes interleaved call by call. ms/token is the median "
+                "decode step (project model) or the whole `generate` call per token (HF); compiles are programs "
+                "plus kernels per token, prefill excluded; the first call compiles, later calls should not.", "",
+                "| model | new tokens | mode | first call ms/token | compiles/token | warm ms/token | x CPU eager "
+                "| warm compiles/token | tokens = CPU |", "|---|---|---|---|---|---|---|---|---|"]
+        for t in dec["parsed"]["tables"]:
+            for m in t["modes"]:
+                out.append(f"| {t['model']} | {t['new_tokens']} | {m['mode']} | {m['first_ms']:.2f} | "
+                           f"{m['first_comp']:.2f} | {m['warm_ms']:.2f} | {m['x_cpu']:.2f} | {m['warm_comp']:.2f} | "
+                           f"{m['tokens_equal']} |")
         out.append("")
     if any(k in results for k in ("device_step", "compile_step", "train_step_2")):
         plot_steps(results, PLOTS / "step_times.png")
