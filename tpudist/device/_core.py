@@ -118,7 +118,8 @@ class Kernel:
                 leaves.append(_weak_int(value) if spec[2] is None else value.astype(tops.to_jax_dtype(spec[2])))
             elif kind == "V":  # a view at a runtime storage offset
                 _, slot, sizes, strides, index, dtype = spec
-                leaves.append(_read_at(flats[slot], sizes, strides, _offset(sc[base + index]), dtype))
+                leaves.append(views.read_at(flats[slot], sizes, strides, _offset(sc[base + index]),
+                                            tops.to_jax_dtype(dtype)))
             else:
                 leaves.append(spec[1])
         args, kwargs = unflatten_args(leaves, self.treedef)
@@ -164,7 +165,7 @@ class Kernel:
                 kind, slot, sizes, strides, offset, dtype = self.leaf_specs[leaf]
                 v = _cast(v, sizes, dtype)
                 if kind == "V":
-                    flats[slot] = _write_at(flats[slot], v, sizes, strides, _offset(sc[base + offset]))
+                    flats[slot] = views.write_at(flats[slot], v, sizes, strides, _offset(sc[base + offset]))
                 else:
                     flats[slot] = views.write_as(flats[slot], v, sizes, strides, offset)
         return fresh
@@ -182,24 +183,6 @@ def _offset(x):
     return x.astype(jnp.int64)
 
 
-def _extent(sizes, strides) -> int:
-    """Elements from a view's first to its last, plus one: what it covers of its storage."""
-    return 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
-
-
-def _read_at(flat, sizes, strides, offset, dtype):
-    """The view ``(sizes, strides)`` at a traced storage ``offset``: a dynamic slice of the elements it
-    spans, read as a view at offset 0. torch keeps a view inside its storage, so the slice never clamps."""
-    flat = views.reinterpret(flat, tops.to_jax_dtype(dtype))
-    window = jax.lax.dynamic_slice(flat, (offset,), (_extent(sizes, strides),))
-    return views.read(window, sizes, strides, 0)
-
-
-def _write_at(flat, value, sizes, strides, offset):
-    """``flat`` with the view ``(sizes, strides)`` at a traced ``offset`` replaced by ``value`` (same dtype)."""
-    window = jax.lax.dynamic_slice(flat, (offset,), (_extent(sizes, strides),))
-    window = views.write(window, value, sizes, strides, 0)
-    return jax.lax.dynamic_update_slice(flat, window, (offset,))
 
 
 def _cast(value, shape, dtype):

@@ -90,15 +90,13 @@ def value_of(t: torch.Tensor):
         return jnp.zeros(sizes, want)
     # The offset is an argument of the reader, not part of its key: reading a view that moves along its
     # storage (a decode loop's ids[:, -1], a cache slot) reuses one program.
-    extent = 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
-    key = (sizes, strides, extent, flat.shape, flat.dtype, t.dtype)
+    key = (sizes, strides, flat.shape, flat.dtype, t.dtype)
     reader = _READERS.get(key)
     if reader is None:
         rt.stats["readers"] += 1
 
         def read(f, start):
-            window = jax.lax.dynamic_slice(views.reinterpret(f, want), (start,), (extent,))
-            return views.read(window, sizes, strides, 0)
+            return views.read_at(f, sizes, strides, start, want)
 
         reader = _READERS[key] = jax.jit(read)
     with jax.enable_x64(True):

@@ -221,6 +221,26 @@ def read_as(flat, sizes, strides, offset, dtype):
     return read(reinterpret(flat, dtype), sizes, strides, offset)
 
 
+def extent(sizes, strides) -> int:
+    """Elements from a view's first to its last, plus one: what it covers of its storage."""
+    return 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
+
+
+def read_at(flat, sizes, strides, offset, dtype):
+    """The view ``(sizes, strides)`` of dtype ``dtype`` at a traced storage ``offset``: a dynamic slice of
+    the elements it spans, read as a view at offset 0. torch keeps a view inside its storage, so the
+    slice never clamps."""
+    window = lax.dynamic_slice(reinterpret(flat, dtype), (offset,), (extent(sizes, strides),))
+    return read(window, sizes, strides, 0)
+
+
+def write_at(flat, value, sizes, strides, offset):
+    """``flat`` with the view ``(sizes, strides)`` at a traced ``offset`` replaced by ``value`` (same dtype)."""
+    window = lax.dynamic_slice(flat, (offset,), (extent(sizes, strides),))
+    window = write(window, value, sizes, strides, 0)
+    return lax.dynamic_update_slice(flat, window, (offset,))
+
+
 def write_as(flat, value, sizes, strides, offset):
     """``flat`` with the view ``(sizes, strides, offset)`` of ``value``'s dtype replaced by ``value``."""
     if np.dtype(value.dtype) == np.dtype(flat.dtype):
