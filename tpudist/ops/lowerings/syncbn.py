@@ -15,24 +15,32 @@ from __future__ import annotations
 import jax.numpy as jnp
 import torch
 
-from tpudist.ops.lowerings._util import upcast
-from tpudist.ops.lowerings.nn import _bn_apply, _bn_batch_stats
-from tpudist.ops.lowerings.nn import _f as _acc
-from tpudist.ops.lowerings.nn import _per_channel as _channels
+from tpudist.ops.lowerings._util import to_float, upcast
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten
+
+
+def _channels(x, v):
+    """A per-channel vector ``v`` shaped to broadcast against ``x`` (channels at dim 1)."""
+    return v.reshape((1, -1) + (1,) * (x.ndim - 2))
 
 
 def _reduce_axes(x):
     return (0, *range(2, x.ndim))
 
 
+def _acc(x):
+    return upcast(to_float(x))
+
+
 @lowers(aten.batch_norm_stats.default)
 def batch_norm_stats(x, eps):
-    """(mean, invstd) per channel of this rank's input: biased variance, two passes (BatchNorm's own)."""
-    mean, _, rstd = _bn_batch_stats(x, eps)
-    return mean, rstd
+    """(mean, invstd) per channel of this rank's input: biased variance, two passes."""
+    xf = _acc(x)
+    mean = jnp.mean(xf, axis=_reduce_axes(x))
+    var = jnp.mean(jnp.square(xf - _channels(x, mean)), axis=_reduce_axes(x))
+    return mean, 1 / jnp.sqrt(var + eps)
 
 
 def combine_stats(mean_all, invstd_all, counts, eps):
@@ -63,7 +71,9 @@ def batch_norm_gather_stats(x, mean_all, invstd_all, running_mean, running_var, 
 
 @lowers(aten.batch_norm_elemt.default)
 def batch_norm_elemt(x, weight, bias, mean, invstd, eps):
-    return _bn_apply(x, upcast(mean), upcast(invstd), weight, bias).astype(x.dtype)
+    scale = upcast(invstd) if weight is None else upcast(invstd) * upcast(weight)
+    shift = -upcast(mean) * scale if bias is None else upcast(bias) - upcast(mean) * scale
+    return (_acc(x) * _channels(x, scale) + _channels(x, shift)).astype(x.dtype)
 
 
 @lowers(aten.batch_norm_backward_reduce.default)
