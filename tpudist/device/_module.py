@@ -308,6 +308,52 @@ def _check_index(device) -> None:
         raise ValueError(f"device index {index} does not exist: each process drives one chip (tpu:0)")
 
 
+def _get_device_index(device, optional: bool = False, allow_cpu: bool = False) -> int:
+    """The index in ``device`` (an int, "tpu", "tpu:0", a ``torch.device``), as torch.cuda's helper that
+    ``torch.load(map_location="tpu")`` calls; -1 for a CPU device when ``allow_cpu``."""
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type == "cpu" and allow_cpu:
+            return -1
+        if device.type != "tpu":
+            raise ValueError(f"expected a tpu device, got {device}")
+        device = device.index
+    if device is None:
+        if not optional:
+            raise ValueError("expected a tpu device with an index (tpu:0), got none")
+        return current_device()
+    _check_index(device)
+    return device
+
+
+_utils = types.SimpleNamespace(_get_device_index=_get_device_index)
+
+# The runtime starts at the first tpu op, not at import: what torch (checkpointing) reads as "the device
+# is in use, stash its RNG state", which any tpu tensor argument already implies.
+_initialized = True
+
+
+class device:
+    """Context manager that selects a device, as ``torch.cuda.device``: each process drives one chip, so
+    tpu:0 (or None, or -1 for "no change") is the only index; torch's checkpointing and ``torch.load``
+    enter it around RNG-state and storage moves."""
+
+    def __init__(self, device):
+        self.idx = _get_device_index(device, optional=True) if device not in (None, -1) else -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def device_of(obj) -> device:
+    """The device of tensor ``obj`` as a context manager (a no-op for a CPU tensor)."""
+    return device(obj.get_device() if obj.device.type == "tpu" else -1)
+
+
 def set_eager_mode(mode: str) -> None:
     """"debug" | "strict" | "fused" for this process (default: $TPUDIST_EAGER_MODE or "strict")."""
     from tpudist.device import _fused

@@ -6,6 +6,12 @@ torch 2.13 pickles PrivateUse1 tensors through the CPU only when they have no st
 (an empty storage holding the jax.Array), so ``_reduce_ex_internal`` is wrapped to take that path
 for "tpu" tensors. Loading rebuilds them on "tpu" (``torch._utils._rebuild_device_tensor_from_cpu_tensor``,
 allowed by ``weights_only``); ``map_location`` does not apply to them: move with ``.cpu()`` after load.
+
+``torch.load(f, map_location="tpu")`` (a string, ``torch.device`` or dict naming tpu) moves what was saved
+elsewhere to the device. torch would restore each storage with ``UntypedStorage(size, device="tpu")``,
+which needs a C++ allocator a Python backend does not have (the process segfaults); instead the storage
+stays a CPU storage marked for "tpu", and each tensor rebuilt over it is moved, once per storage: tensors
+that shared a storage (tied weights, views) still share one on the device.
 """
 
 from __future__ import annotations
@@ -64,9 +70,42 @@ def __deepcopy__(self, memo):
     return new
 
 
+_MARK = "_tpudist_restore_on"   # attribute of a loaded CPU storage whose tensors go to the device
+
+
+def _restore_on_tpu(storage, location: str):
+    """``torch.load``'s deserializer for locations "tpu" / "tpu:N": mark the CPU storage (see the module doc)."""
+    if not (location == "tpu" or location.startswith("tpu:")):
+        return None
+    from tpudist.device import _module
+
+    index = _module._get_device_index(location, optional=True)  # noqa: SLF001
+    setattr(storage, _MARK, {"device": torch.device("tpu", index), "moved": {}})
+    return storage
+
+
+_original_rebuild = torch._utils._rebuild_tensor  # noqa: SLF001
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride):
+    untyped = storage._untyped_storage  # noqa: SLF001
+    mark = getattr(untyped, _MARK, None)
+    if mark is None:
+        return _original_rebuild(storage, storage_offset, size, stride)
+    dtype = storage.dtype
+    flat = mark["moved"].get(dtype)
+    if flat is None:
+        numel = untyped.nbytes() // dtype.itemsize
+        whole = torch.empty((0,), dtype=dtype).set_(untyped, 0, (numel,), (1,))
+        flat = mark["moved"][dtype] = whole.to(mark["device"])
+    return flat.as_strided(tuple(size), tuple(stride), storage_offset).detach()
+
+
 def register() -> None:
     torch.Tensor._reduce_ex_internal = _reduce_ex_internal  # noqa: SLF001
     torch.Tensor.__deepcopy__ = __deepcopy__
+    torch.serialization.register_package(19, lambda storage: None, _restore_on_tpu)
+    torch._utils._rebuild_tensor = _rebuild_tensor  # noqa: SLF001
     _patch_printing()
 
 

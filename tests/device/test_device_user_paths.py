@@ -1,0 +1,165 @@
+"""Paths of torch that user code reaches through ``torch.tpu`` (the device module), against CPU eager.
+
+- Activation checkpointing (``torch.utils.checkpoint``, reentrant and not) stashes the device's RNG
+  state when ``torch.tpu._initialized`` says the device is in use, and restores it around the
+  recomputation with ``torch.tpu.device(i)``: without both, a checkpointed block with dropout
+  recomputes a different mask and its gradients are silently wrong.
+- ``torch.load(f, map_location="tpu")`` of a checkpoint saved from CPU tensors: torch would build
+  device storages with an allocator a Python backend does not have (the process segfaulted).
+
+All cases run in one worker process that installs the device (it renames PrivateUse1 for the process).
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from tpudist.testing import RankPool
+
+
+@pytest.fixture(scope="module")
+def dev():
+    with RankPool(1, backend=None, timeout=300, env={"TPUDIST_EAGER_MODE": "strict"}) as pool:
+        yield lambda fn, *a, **k: pool.run(fn, *a, **k)[0]
+
+
+# -- in the worker ------------------------------------------------------------------------------------
+
+
+def _block():
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(F.gelu(self.lin(x)))
+
+    return Block()
+
+
+def run_checkpoint(mode: str, reentrant: bool | None, p_drop: float) -> dict:
+    """Gradients of a block (dropout ``p_drop``) with and without checkpointing, on ``device``."""
+    import tpudist.device  # noqa: F401
+    from torch.utils.checkpoint import checkpoint
+
+    out = {}
+    for device in ("cpu", "tpu"):
+        for ckpt in (False, True):
+            torch.manual_seed(0)
+            block = _block().to(device)
+            block.drop.p = p_drop
+            x = torch.randn(4, 16).to(device).requires_grad_()
+            torch.manual_seed(5)
+            with torch.tpu.eager_mode(mode):
+                y = checkpoint(block, x, use_reentrant=reentrant) if ckpt else block(x)
+                (y * y).sum().backward()
+                out[device, ckpt] = (y.detach().cpu(), block.lin.weight.grad.cpu(), x.grad.cpu())
+    return out
+
+
+def run_load_map_location() -> dict:
+    import tpudist.device  # noqa: F401
+    from torch import nn
+
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(5, 4), nn.Linear(4, 5)
+    head.weight = emb.weight  # tied: saved once
+    base = torch.arange(12.0).reshape(3, 4)
+    saved = {
+        "sd": {"emb.weight": emb.weight, "head.weight": head.weight, "head.bias": head.bias},
+        "base": base, "view": base[1:, 1:], "param": nn.Parameter(torch.ones(2)),
+        "ints": torch.arange(4), "bf16": torch.linspace(0, 1, 3, dtype=torch.bfloat16),
+        "mask": torch.tensor([True, False]),
+    }
+    buf = io.BytesIO()
+    torch.save(saved, buf)
+    out = {"saved": saved}
+    for name, where in (("str", "tpu"), ("indexed", "tpu:0"), ("device", torch.device("tpu")),
+                        ("dict", {"cpu": "tpu"})):
+        buf.seek(0)
+        got = torch.load(buf, map_location=where)
+        out[name] = {
+            "devices": sorted({str(t.device) for t in _tensors(got)}),
+            "values": {k: v.cpu() for k, v in _flat(got).items()},
+            "dtypes": {k: v.dtype for k, v in _flat(got).items()},
+            "param": (type(got["param"]).__name__, got["param"].requires_grad),
+            "view_offset": got["view"].storage_offset(),
+        }
+        with torch.no_grad():
+            got["base"].add_(100)  # the view was rebuilt over the same device storage: it sees this
+        out[name]["view_after_base_write"] = got["view"].cpu()
+    buf.seek(0)
+    try:
+        torch.load(buf, map_location="tpu:1")
+    except Exception as e:  # noqa: BLE001
+        out["bad_index"] = (type(e).__name__, str(e))
+    model = nn.Linear(4, 5).to("tpu")
+    buf2 = io.BytesIO()
+    torch.save(nn.Linear(4, 5).state_dict(), buf2)
+    buf2.seek(0)
+    sd = torch.load(buf2, map_location="tpu")
+    model.load_state_dict(sd)
+    out["loaded_model"] = {k: v.cpu() for k, v in model.state_dict().items()}
+    buf2.seek(0)
+    out["cpu_sd"] = torch.load(buf2)
+    with torch.tpu.device(0), torch.tpu.device_of(model.weight):
+        out["index"] = torch.tpu._utils._get_device_index("tpu:0")  # noqa: SLF001
+    return out
+
+
+def _flat(obj, prefix=""):
+    if isinstance(obj, dict):
+        return {k2: v2 for k, v in obj.items() for k2, v2 in _flat(v, f"{prefix}{k}.").items()}
+    return {prefix.rstrip("."): obj}
+
+
+def _tensors(obj):
+    return list(_flat(obj).values())
+
+
+# -- tests ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_checkpointed_dropout_recomputes_the_same_mask(dev, mode, reentrant):
+    out = dev(run_checkpoint, mode, reentrant, 0.5)
+    for device in ("cpu", "tpu"):
+        plain, ckpt = out[device, False], out[device, True]
+        for a, b in zip(plain, ckpt):
+            assert torch.equal(a, b), f"{device}: checkpointed gradients differ from the plain run"
+    assert 0.3 < (out["tpu", True][0] == 0).float().mean() < 0.7  # dropout really ran on the device
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_checkpoint_without_dropout_matches_cpu(dev, mode):
+    out = dev(run_checkpoint, mode, False, 0.0)
+    for a, b in zip(out["cpu", True], out["tpu", True]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_load_map_location_tpu(dev):
+    out = dev(run_load_map_location)
+    saved = _flat(out["saved"])
+    for name in ("str", "indexed", "device", "dict"):
+        got = out[name]
+        assert got["devices"] == ["tpu:0"], name
+        for key, value in saved.items():
+            assert got["dtypes"][key] == value.dtype, (name, key)
+            assert torch.equal(got["values"][key], value.detach()), (name, key)
+        assert got["param"] == ("Parameter", True)
+        assert got["view_offset"] == 5
+        assert torch.equal(got["view_after_base_write"], saved["view"] + 100), name  # one storage, shared
+    kind, message = out["bad_index"]
+    assert kind == "ValueError" and "device index 1 does not exist" in message
+    for key, value in out["cpu_sd"].items():
+        assert torch.equal(out["loaded_model"][key], value), key
+    assert out["index"] == 0
