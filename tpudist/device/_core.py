@@ -33,8 +33,8 @@ from tpudist.device import _runtime as rt
 from tpudist.device import buckets, views
 from tpudist.device._debug import check_indices, check_nans
 from tpudist.device._storage import (  # noqa: F401  (re-exported: the kernels module uses them from here)
-    _ATTR, Buffer, Lazy, _retype, buffer_of, flush, from_cpu, is_tpu, new_tensor, to_cpu, to_jax, to_torch,
-    value_of,
+    _ATTR, Buffer, Lazy, _retype, buffer_of, flush, from_cpu, is_tpu, new_tensor, tensor_over, to_cpu, to_jax,
+    to_torch, value_of,
 )
 
 aten = torch.ops.aten
@@ -72,6 +72,7 @@ class Kernel:
         self.fresh = fresh              # [(shape, torch dtype)] of fresh outputs, after the written slots
         self.returns = returns          # how to build the Python result from targets/fresh
         self.written_slots = sorted({leaf_specs[i][1] for i in self.targets})
+        self.num_written = len(self.written_slots)
         self.out_names = {a.name for a in op._schema.arguments if a.is_out}  # noqa: SLF001
         self.single = len(functional._schema.returns) == 1  # noqa: SLF001
         self.jitted = jax.jit(self._run)  # no defaulted parameters: those take jit's slow path
@@ -79,6 +80,17 @@ class Kernel:
 
     def __repr__(self):
         return f"Kernel({self.op})"
+
+    @property
+    def fresh(self):
+        return self._fresh
+
+    @fresh.setter
+    def fresh(self, value):
+        # the hot paths make each output from (shape, dtype, numel), computed once here
+        self._fresh = value
+        self.outputs = None if value is None else tuple((tuple(shape), dtype, math.prod(shape))
+                                                        for shape, dtype in value)
 
     def _run(self, arrays, sc):
         return self.trace(arrays, sc)
@@ -237,11 +249,27 @@ def _device_mismatch(op, other):
 
 
 def _signature(op, args, kwargs, static_floats: bool):
-    """(key, slot buffers, scalar values) of one call; leaves are described, not copied."""
-    leaves, treedef = flatten_args(args, kwargs)
+    """(key, slot buffers, scalar values) of one call; leaves are described, not copied.
+
+    This runs for every op (it is most of an op's host cost in Fused mode): one pass over the leaves,
+    no pytree, each tensor's facts read once.
+    """
+    if kwargs:
+        leaves, treedef = flatten_args(args, kwargs)
+    else:
+        for a in args:
+            if a.__class__ is list or a.__class__ is tuple:
+                leaves, treedef = flatten_args(args, kwargs)
+                break
+        else:  # the common case: positional leaves only, no lists
+            leaves = args
+            treedef = _FLAT_TREEDEFS.get(len(args))
+            if treedef is None:
+                treedef = _FLAT_TREEDEFS[len(args)] = flatten_args(args, {})[1]
     sig = []
-    slot_of: dict[int, int] = {}
+    slot_of: dict = {}
     buffers: list[Buffer] = []
+    slots: list = []
     scalars: list[float] = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
@@ -249,18 +277,22 @@ def _signature(op, args, kwargs, static_floats: bool):
                 buf = getattr(x.untyped_storage(), _ATTR, None)
                 if buf is None:
                     raise _device_mismatch(op, x)
-                slot = slot_of.get(id(buf))
+                slot = slot_of.get(buf)
                 if slot is None:
-                    slot = slot_of[id(buf)] = len(buffers)
+                    slot = slot_of[buf] = len(buffers)
                     buffers.append(buf)
-                sizes, strides = tuple(x.shape), tuple(x.stride())
+                    slots.append((buf.numel, buf.dtype, buf.value is None))
+                # torch.Size hashes and compares as the tuple it is (_build keeps plain tuples)
+                sizes, strides, dtype = x.shape, x.stride(), x.dtype
                 if 1 in sizes:  # a size-1 dim's stride is never used: one key for x[:, -1:] of any length
                     strides = tuple(0 if n == 1 else st for n, st in zip(sizes, strides))
-                geometry = (slot, sizes, strides, x.storage_offset(), x.dtype)
-                if x.is_conj() or x.is_neg():  # torch's conj fallback reaches us with the bit still set
-                    sig.append(("B", *geometry, x.is_conj(), x.is_neg()))
+                # torch's conj fallback reaches us with the bit still set; only complex tensors carry
+                # the conj bit, any dtype the neg bit (x.conj().imag)
+                if x.is_neg() or (dtype.is_complex and x.is_conj()):
+                    sig.append(("B", slot, tuple(sizes), strides, x.storage_offset(), dtype, x.is_conj(),
+                                x.is_neg()))
                 else:
-                    sig.append(("T", *geometry))
+                    sig.append(("T", slot, sizes, strides, x.storage_offset(), dtype))
             elif x.dim() == 0 and x.device.type == "cpu":
                 if x.dtype.is_floating_point and not static_floats:
                     sig.append(("C", len(scalars), x.dtype))
@@ -269,16 +301,26 @@ def _signature(op, args, kwargs, static_floats: bool):
                     sig.append(("I", x.item(), x.dtype))
             else:
                 raise _device_mismatch(op, x)
-        elif type(x) is float and not static_floats:
+        elif x.__class__ is float and not static_floats:
             sig.append(("F", len(scalars)))
             scalars.append(x)
         elif isinstance(x, torch.device) and x.type == "tpu":
             sig.append(("S", _META_DEVICE))  # lowerings ignore it; tops.call's meta run must not allocate
         else:
             sig.append(("S", x if not isinstance(x, list) else tuple(x)))
-    slots = tuple((b.numel, b.dtype, b.value is None) for b in buffers)
-    key = (id(op), treedef, tuple(sig), slots, static_floats)  # id: OpOverload.__hash__ is Python
+    key = (id(op), treedef, tuple(sig), tuple(slots), static_floats)  # id: OpOverload.__hash__ is Python
     return key, leaves, buffers, scalars
+
+
+_FLAT_TREEDEFS: dict = {}
+
+
+def _plain_sizes(key):
+    """``key`` with its tensors' sizes as tuples, not torch.Size: equal, but their repr (the on-disk
+    program key) differs."""
+    sig = tuple((spec[0], spec[1], tuple(spec[2]), *spec[3:]) if spec[0] in ("T", "V", "B") else spec
+                for spec in key[2])
+    return (key[0], key[1], sig, *key[3:])
 
 
 def _meta_of(x):
@@ -290,6 +332,7 @@ def _meta_of(x):
 
 
 def _build(op, key, leaves):
+    key = _plain_sizes(key)
     _, treedef, sig, slots, static_floats = key
     # torch's own shape/dtype checks and result metadata, once per signature
     meta_leaves = [_meta_of(x) for x in leaves]
@@ -818,11 +861,13 @@ def result_of(kernel, leaves, fresh_tensors):
 
 # -- execution ---------------------------------------------------------------------------------------
 
+_CAT = aten.cat.default
+
 
 def execute(op, args, kwargs):
     """Run one non-view op on tpu tensors in the current eager mode."""
     mode = rt.get_mode()
-    if op is aten.cat.default and rt.dynamic_scalars():
+    if op is _CAT and rt.dynamic_scalars():
         append = _append_for(args, kwargs)
         if append is not None:
             kernel, leaves, buffers, scalars, shape = append
@@ -843,11 +888,11 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
     if kernel.random:
         scalars = scalars + list(rt.next_rng())
     if mode == "fused":
-        from tpudist.device import _fused
-
         return _fused.record(kernel, leaves, buffers, scalars)
-    if any(isinstance(b.value, Lazy) for b in buffers):
-        flush()
+    for b in buffers:
+        if b.value.__class__ is Lazy:
+            flush()
+            break
     if mode == "debug":
         check_indices(op, args, kwargs)
     sc = np.asarray(scalars, _F64) if scalars else _NO_SCALARS
@@ -862,8 +907,9 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
     rt.stats["ops"] += 1
     for slot, value in zip(kernel.written_slots, outs):
         buffers[slot].value = value
-    first = len(kernel.written_slots)
-    fresh = [new_tensor(shape, dtype, outs[first + i]) for i, (shape, dtype) in enumerate(kernel.fresh)]
+    first = kernel.num_written
+    fresh = [tensor_over(Buffer(numel, dtype, outs[first + i]), shape)
+             for i, (shape, dtype, numel) in enumerate(kernel.outputs)]
     if mode == "debug" and rt.nan_check():
         check_nans(op, outs)
     return result_of(kernel, leaves, fresh)
@@ -970,3 +1016,5 @@ def copy_from_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
     tmp = from_cpu(src)
     execute(aten.copy_.default, (dst, tmp), {})
 
+
+from tpudist.device import _fused  # noqa: E402  (last: _fused imports names of this module)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from tpudist.device import _runtime as rt
-from tpudist.device._core import Lazy, new_tensor, result_of
+from tpudist.device._core import Buffer, Lazy, result_of, tensor_over
 
 _CAP_ENV = "TPUDIST_FUSED_MAX_OPS"
 _PROGRAMS: dict = {}
@@ -56,7 +56,7 @@ def record(kernel, leaves, buffers, scalars):
         v = b.value
         if v is None:
             refs.append(None)
-        elif isinstance(v, Lazy):
+        elif v.__class__ is Lazy:
             if v.graph is not g:
                 raise AssertionError("a value of an older fused graph is still pending")
             refs.append(v.index)
@@ -68,26 +68,26 @@ def record(kernel, leaves, buffers, scalars):
             refs.append(-1 - idx)
     refs = tuple(refs)
     base = len(g.scalars)
-    g.scalars.extend(scalars)
+    if scalars:
+        g.scalars.extend(scalars)
     g.nodes.append((kernel, refs, base))
     g.sig.append((kernel.id, refs))
-    first = g.num_values
-    n_out = len(kernel.written_slots) + len(kernel.fresh)
-    g.num_values += n_out
-    for j, slot in enumerate(kernel.written_slots):
+    index = g.num_values
+    written = g.written
+    for slot in kernel.written_slots:
         b = buffers[slot]
-        b.value = Lazy(g, first + j)
-        g.written.append(weakref.ref(b))
+        b.value = Lazy(g, index)
+        written.append(weakref.ref(b))
+        index += 1
     fresh = []
-    start = first + len(kernel.written_slots)
-    for j, (shape, dtype) in enumerate(kernel.fresh):
-        t = new_tensor(shape, dtype, Lazy(g, start + j))
-        from tpudist.device._core import buffer_of
-
-        g.written.append(weakref.ref(buffer_of(t)))
-        fresh.append(t)
+    for shape, dtype, numel in kernel.outputs:
+        b = Buffer(numel, dtype, Lazy(g, index))
+        fresh.append(tensor_over(b, shape))
+        written.append(weakref.ref(b))
+        index += 1
+    g.num_values = index
     rt.stats["recorded_ops"] += 1
-    out = result_of(kernel, leaves, fresh)
+    out = fresh[0] if kernel.returns[0] == "single" else result_of(kernel, leaves, fresh)
     if len(g.nodes) >= g.cap:
         flush()
     return out

@@ -40,8 +40,8 @@ def is_view_op(op) -> bool:
 
 
 def view_kernel(op, *args, **kwargs):
-    with rt.LOCK:
-        return op.redispatch(core.META, *args, **kwargs)
+    with rt.LOCK:  # the handle's redispatch: OpOverload.redispatch is one more Python frame per view
+        return op._handle.redispatch_boxed(core.META, *args, **kwargs)  # noqa: SLF001
 
 
 def execute_kernel(op, *args, **kwargs):
@@ -51,11 +51,15 @@ def execute_kernel(op, *args, **kwargs):
 
 
 def generic_kernel(op, *args, **kwargs):
-    special = _SPECIAL.get(op)
+    # looked up by id: OpOverload.__hash__ is a Python method, and this runs for every fallback op
+    special = _SPECIAL_BY_ID.get(id(op))
     if special is not None:
         with rt.LOCK:
             return special(*args, **kwargs)
-    if is_view_op(op):
+    view = _IS_VIEW.get(id(op))
+    if view is None:
+        view = _IS_VIEW[id(op)] = is_view_op(op)
+    if view:
         return view_kernel(op, *args, **kwargs)
     with rt.LOCK:
         return core.execute(op, args, kwargs)
@@ -238,6 +242,9 @@ _SPECIAL = {
         (aten.squeeze_.dim, aten.squeeze.dim), (aten.squeeze_.dims, aten.squeeze.dims),
         (aten.unsqueeze_.default, aten.unsqueeze.default))},
 }
+
+_SPECIAL_BY_ID = {id(op): fn for op, fn in _SPECIAL.items()}
+_IS_VIEW: dict = {}
 
 # View ops with no composite kernel (the others, detach/expand/transpose..., run torch's C++ composite,
 # which ends in as_strided). Tensors made by C++ have no Python object yet: Parameter() needs that.

@@ -52,6 +52,16 @@ def new_tensor(shape, dtype: torch.dtype, value=None, numel: int | None = None) 
     return t
 
 
+def tensor_over(buf: Buffer, shape: tuple) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` (a tuple of ints) over a new storage holding ``buf``."""
+    t = _create_empty(shape, buf.dtype)
+    setattr(t.untyped_storage(), _ATTR, buf)
+    return t
+
+
+_create_empty = torch._C._acc.create_empty_tensor  # noqa: SLF001
+
+
 # -- host <-> device ---------------------------------------------------------------------------------
 
 

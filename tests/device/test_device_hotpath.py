@@ -1,0 +1,118 @@
+"""The per-op hot path of the "tpu" device (signature, kernel cache, Fused recording) against CPU eager.
+
+Every branch the signature takes on its fast path (positional tensors only) and off it (lists,
+keyword arguments) is run twice in each mode: the first call builds the kernel, the second must
+reuse it (counted: hits up, no new kernel) and give the same values as CPU. The cases are the ones a
+cheaper signature could get wrong: two arguments on one storage, views at an offset, size-1 dims,
+the lazy conj and neg bits, CPU 0-dim scalars, Python floats, several outputs, in-place writes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpudist.testing import RankPool
+
+
+@pytest.fixture(scope="module")
+def dev():
+    with RankPool(1, backend=None, timeout=300, env={"TPUDIST_EAGER_MODE": "strict"}) as pool:
+        yield lambda fn, *a, **k: pool.run(fn, *a, **k)[0]
+
+
+def _cases():
+    """(name, fn) pairs: fn(tensors) -> a tensor or a tuple of tensors, run on CPU and on tpu copies."""
+    return [
+        ("add", lambda t: t["a"] + t["b"]),
+        ("same storage twice", lambda t: t["a"] + t["a"]),
+        ("view and its base", lambda t: t["a"][:, 1:] * t["a"][:, :-1]),
+        ("offset view", lambda t: t["a"][2:5] - t["b"][1:4]),
+        ("size-1 dim", lambda t: t["a"][:, -1:] + t["a"][:, :1]),
+        ("transposed", lambda t: t["a"].t() @ t["b"]),
+        ("python float", lambda t: t["a"] * 2.5 + 0.25),
+        ("python int", lambda t: t["a"] + 3),
+        ("cpu 0-dim float", lambda t: t["a"] * torch.tensor(1.5)),
+        ("cpu 0-dim int", lambda t: t["i"] + torch.tensor(7)),
+        ("conj bit", lambda t: t["c"].conj() + t["c"]),
+        ("neg bit on a real view", lambda t: t["c"].conj().imag + t["a"][:, :4]),
+        ("list argument", lambda t: torch.cat([t["a"], t["b"]], dim=1)),
+        ("keyword argument", lambda t: torch.sum(t["a"], dim=0, keepdim=True)),
+        ("several outputs", lambda t: torch.max(t["a"], dim=1)),
+        ("in-place on a view", lambda t: t["a"].clone()[1:].add_(t["b"][1:], alpha=0.5)),
+        ("out=", lambda t: torch.mul(t["a"], t["b"], out=torch.empty_like(t["a"]))),
+        ("dtype", lambda t: (t["a"] > 0).to(torch.float32) + t["i"]),
+    ]
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    return {"a": torch.randn(6, 5, generator=g), "b": torch.randn(6, 5, generator=g),
+            "i": torch.randint(-5, 5, (6, 5), generator=g),
+            "c": torch.randn(6, 4, dtype=torch.complex64, generator=g)}
+
+
+def _run_cases(mode):
+    import tpudist.device  # noqa: F401
+
+    host = _inputs()
+    out = {}
+    with torch.tpu.eager_mode(mode):
+        for name, fn in _cases():
+            want = fn({k: v.clone() for k, v in host.items()})
+            rounds = []
+            for _ in range(2):
+                tensors = {k: v.to("tpu") for k, v in host.items()}
+                torch.tpu.synchronize()
+                before = torch.tpu.cache_stats()
+                got = fn(tensors)
+                got = tuple(x.cpu() for x in got) if isinstance(got, tuple) else got.cpu()
+                after = torch.tpu.cache_stats()
+                rounds.append({k: after[k] - before[k] for k in ("kernels", "hits", "misses")})
+            want = tuple(want) if isinstance(want, tuple) else want
+            out[name] = (want, got, rounds)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_hot_path_matches_cpu_and_hits_the_cache(dev, mode):
+    results = dev(_run_cases, mode)
+    assert [name for name, _ in _cases()] == list(results)
+    for name, (want, got, rounds) in results.items():
+        wants, gots = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+        assert len(wants) == len(gots), name
+        for w, g in zip(wants, gots):
+            assert g.dtype == w.dtype and g.shape == w.shape, (name, g.dtype, w.dtype, g.shape, w.shape)
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"{name} ({mode})")
+        second = rounds[1]
+        # the second run of the same calls builds nothing: every op is a cache hit
+        assert second["kernels"] == 0 and second["misses"] == 0, (name, mode, rounds)
+        assert second["hits"] >= 1, (name, mode, rounds)
+
+
+def _repeated_add_counts():
+    import tpudist.device  # noqa: F401
+    from tpudist.device import _fused
+
+    x, y = torch.randn(8, 8).to("tpu"), torch.randn(8, 8).to("tpu")
+    with torch.tpu.eager_mode("fused"):
+        z = x + y
+        torch.tpu.synchronize()
+        before = torch.tpu.cache_stats()
+        for _ in range(50):
+            z = z + y
+        pending = _fused.pending_ops()
+        value = z.cpu()
+        after = torch.tpu.cache_stats()
+    want = x.cpu() + y.cpu()
+    for _ in range(50):
+        want = want + y.cpu()
+    return pending, {k: after[k] - before[k] for k in ("kernels", "hits", "misses", "recorded_ops", "syncs")}, \
+        value, want
+
+
+def test_fused_records_a_chain_of_hits(dev):
+    pending, counts, value, want = dev(_repeated_add_counts)
+    assert pending == 50
+    assert counts == {"kernels": 0, "hits": 50, "misses": 0, "recorded_ops": 50, "syncs": 1}, counts
+    torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5)
