@@ -42,6 +42,8 @@ def _cases():
         ("in-place on a view", lambda t: t["a"].clone()[1:].add_(t["b"][1:], alpha=0.5)),
         ("out=", lambda t: torch.mul(t["a"], t["b"], out=torch.empty_like(t["a"]))),
         ("dtype", lambda t: (t["a"] > 0).to(torch.float32) + t["i"]),
+        # matmul reshapes the mm result with _unsafe_view: a new tensor over the result's storage
+        ("3-d matmul, then in-place", lambda t: torch.matmul(t["a"].reshape(2, 3, 5), t["b"].t()).mul_(2)),
     ]
 
 
@@ -116,3 +118,29 @@ def test_fused_records_a_chain_of_hits(dev):
     assert pending == 50
     assert counts == {"kernels": 0, "hits": 50, "misses": 0, "recorded_ops": 50, "syncs": 1}, counts
     torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5)
+
+
+def _matmul_counts():
+    import tpudist.device  # noqa: F401
+
+    a, b = torch.randn(2, 3, 4), torch.randn(4, 5)
+    out = {}
+    for mode in ("strict", "fused"):
+        with torch.tpu.eager_mode(mode):
+            at, bt = a.to("tpu"), b.to("tpu")
+            torch.tpu.synchronize()
+            before = torch.tpu.cache_stats()
+            r = torch.matmul(at, bt)
+            r.add_(1.0)
+            value = r.cpu()
+            after = torch.tpu.cache_stats()
+        out[mode] = (after["ops"] - before["ops"] + after["recorded_ops"] - before["recorded_ops"], value)
+    return out, a @ b + 1
+
+
+def test_unsafe_view_is_metadata_only(dev):
+    """matmul of a 3-d tensor is mm + _unsafe_view: only mm (and the add_) run on the device."""
+    out, want = dev(_matmul_counts)
+    for mode, (num_ops, value) in out.items():
+        assert num_ops == 2, (mode, num_ops)
+        torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5)
