@@ -254,11 +254,16 @@ def no_host_copy(sabotage: bool = False) -> dict:
 
     stages = []
 
+    seen = []  # every array the programs took and made, kept alive: a freed buffer's address is reused
+
     def watched(original):
         def run(stage, fn, *args):
             result = original(stage, fn, *args)
+            seen.append((args, result))
             if stage == "read":
                 stages.append((stage, pointers(args[0]), pointers(result[1])))
+            elif stage == "permute":  # a whole storage: the transfer's one program
+                stages.append((stage, pointers(args), pointers(result)))
             elif stage == "collective":
                 stages.append((stage, pointers(args[1:]), pointers(result[0])))
             else:
@@ -272,26 +277,41 @@ def no_host_copy(sabotage: bool = False) -> dict:
             aval, sharding, np.array(local), device))
 
     r, peer = dist.get_rank(), 1 - dist.get_rank()
-    checks, host = [], {}
+    checks, host, direct = [], {}, []  # direct: the checks whose transfers were one program each
     storage_pointer = lambda t: _storage.buffer_of(t).value.unsafe_buffer_pointer()  # noqa: E731
 
     def check(name, run, sent, received):
-        """The sender's storage is the read program's input, its pieces the collective's input; the
-        collective's output is the write program's input, whose output is the receiver's storage."""
+        """A whole storage: the sender's storage is the permute program's input, its output the
+        receiver's storage. A view: the sender's storage is the read program's input, its pieces
+        the collective's input; the collective's output is the write program's input, whose
+        output is the receiver's storage."""
         before = {storage_pointer(t) for t in sent}
         start, counted = len(stages), dict(counts)
         run()
-        calls = [stages[i:i + 3] for i in range(start, len(stages), 3)]  # read, collective, write
-        assert all([s for s, _, _ in c] == ["read", "collective", "write"] for c in calls), calls
+        calls, i = [], start
+        while i < len(stages):
+            width = 1 if stages[i][0] == "permute" else 3
+            calls.append(stages[i:i + width])
+            i += width
+        assert all([s for s, _, _ in c] in (["permute"], ["read", "collective", "write"]) for c in calls), calls
         links = []
-        if sent:  # the sender's storage is read, and the pieces go into the collective unchanged
-            (read, coll, _), = [c for c in calls if set(c[0][1]) == before and c[2][2] == []]
-            links += [True, coll[1] == read[2]]
-        if received:  # the collective's output is written, and that becomes the receiver's storage
+        if sent:
+            whole = [c for c in calls if c[0][0] == "permute" and before <= set(c[0][1])]
+            if whole:  # the sender's storage goes into the permute as it is
+                links += [len(whole) == 1]
+            else:  # the sender's storage is read, and the pieces go into the collective unchanged
+                reads = [c for c in calls if len(c) == 3 and set(c[0][1]) == before and c[2][2] == []]
+                links += [len(reads) == 1, bool(reads) and reads[0][1][1] == reads[0][0][2]]
+        if received:  # the transfer's output becomes the receiver's storage
             after = {storage_pointer(t) for t in received}
-            mine = [c for c in calls if set(c[2][2]) == after]
-            links += [len(mine) == 1] + ([mine[0][2][1] == mine[0][1][2]] if mine else [False])
+            mine = [c for c in calls if set(c[-1][2]) == after]
+            if mine and len(mine[0]) == 3:  # through the write program
+                links += [len(mine) == 1, mine[0][2][1] == mine[0][1][2]]
+            else:
+                links += [len(mine) == 1]
         checks.append((name, links))
+        if calls and all(c[0][0] == "permute" for c in calls):
+            direct.append(name)
         for key, value in counts.items():
             host[key] = host.get(key, 0) + value - counted.get(key, 0)
 
@@ -332,7 +352,7 @@ def no_host_copy(sabotage: bool = False) -> dict:
     finally:
         for owner, name, original in reversed(saved):
             setattr(owner, name, original)
-    return {"checks": checks, "host_conversions": host, "controls": controls, "fetched": fetched_p2p,
+    return {"checks": checks, "direct": direct, "host_conversions": host, "controls": controls, "fetched": fetched_p2p,
             "results": {k: v.cpu() for k, v in results.items()}}
 
 

@@ -188,6 +188,100 @@ class Compiled:
         return list(new), fps
 
 
+def run_agreed(call: DeviceCall) -> list:
+    """Runs a call whose ranks already agreed on it (point to point: :class:`p2p.PairOrder`
+    compares the two sides' fingerprints before either runs), so the collective goes alone: no
+    fingerprint exchange, no device-to-host read. Returns the written storages' new values.
+
+    A tensor that is its whole storage (contiguous, offset 0, the storage's dtype, which the op
+    moves as it is) needs neither the read nor the write program: its storage's array is the
+    collective's input, and the collective's output becomes its storage's value. A receiver with
+    no input hands in its own storage's array (its value is ignored: the permute only sends from
+    the sender), or zeros when the storage was never written. One program instead of three: the
+    latency of a small send is mostly per-program dispatch (benchmarks/p2p.py).
+    """
+    import jax
+
+    plan = call.plan
+    direct = _direct_slot(call)
+    compiled = program(call, verify=False)
+    with jax.enable_x64(True):
+        if direct is None:
+            block, pieces = execute("read", compiled.read, call.arrays)
+        else:
+            pieces = (_own_array(call, direct),)
+        inputs = [_put(aval, compiled.sharding, piece, compiled.device)
+                  for aval, piece in zip(compiled.piece_avals, pieces)]
+        if direct is not None:
+            outs = execute("permute", _permute(compiled), *inputs)
+            local = [o.addressable_data(0) for o in outs]
+            jax.block_until_ready(local)  # done (or failed) when the call returns, as the checked path
+            return local if plan.outputs else []
+        fp = _put(compiled.fp_aval, compiled.sharding, compiled.call_fingerprint(0, 0), compiled.device)
+        outs, _ = execute("collective", compiled.collective, fp, *inputs)
+        new = execute("write", compiled.write, call.arrays, block, [o.addressable_data(0) for o in outs])
+        jax.block_until_ready(new)
+    return list(new)
+
+
+def _direct_slot(call: DeviceCall) -> int | None:
+    """The storage slot of a call that moves one whole storage as it is (see :func:`run_agreed`),
+    else None."""
+    plan = call.plan
+    views = [*plan.inputs, *(view for view, _ in plan.outputs)]
+    if len(views) != 1 or len(plan.slots) != 1:
+        return None
+    (view,) = views
+    numel, storage_dtype, _ = plan.slots[view.slot]
+    whole = (view.offset == 0 and not view.pairs and view.dtype == storage_dtype
+             and math.prod(view.sizes) == numel == math.prod(plan.key.shape)
+             and view.strides == _contiguous_strides(view.sizes))
+    if not whole or np.dtype(plan.key.dtype) != np.dtype(_jax_dtype(storage_dtype)):
+        return None
+    if plan.outputs and plan.outputs[0][1] != ("flat", 0, numel):
+        return None
+    if call.arrays and (call.arrays[0].shape != (numel,) or call.arrays[0].dtype != np.dtype(plan.key.dtype)):
+        return None
+    return view.slot
+
+
+def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(sizes):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _own_array(call: DeviceCall, slot: int) -> Any:
+    """The direct call's input: the storage's array (a receiver's is ignored), or zeros if unwritten."""
+    import jax.numpy as jnp
+
+    numel, dtype, unwritten = call.plan.slots[slot]
+    if unwritten:
+        return jnp.zeros((numel,), _jax_dtype(dtype))
+    return call.arrays[0]
+
+
+_permutes: dict[ProgramKey, Any] = {}
+
+
+def _permute(compiled: Compiled) -> Any:
+    """The collective's body alone over the group's mesh (no fingerprint input or output)."""
+    fn = _permutes.get(compiled.key)
+    if fn is None:
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        from tpudist.process_group.lowerings import AXIS
+
+        lowering = LOWERINGS[compiled.key.op](compiled.key, 0)
+        fn = _permutes[compiled.key] = jax.jit(jax.shard_map(
+            lambda *pieces: tuple(lowering.body(*pieces)), mesh=compiled.sharding.mesh,
+            in_specs=(P(AXIS),) * len(compiled.piece_avals), out_specs=P(AXIS), check_vma=False))
+    return fn
+
+
 def _put(aval: Any, sharding: Any, local: Any, device: Any) -> Any:
     """The global array whose shard on this rank is ``local`` (a jax.Array: its own buffer, no copy;
     or a small numpy array)."""
@@ -213,11 +307,14 @@ _lock = threading.Lock()
 stats = {"hits": 0, "misses": 0}
 
 
-def program(call: DeviceCall) -> Compiled:
-    """The compiled program for ``call``'s plan, built on first use."""
+def program(call: DeviceCall, verify: bool | None = None) -> Compiled:
+    """The compiled program for ``call``'s plan, built on first use. ``verify``: whether the
+    collective exchanges fingerprints first (default: the process-wide switch)."""
     from tpudist.process_group import runtime
 
-    entry = (call.plan, programs._VERIFY.on)  # noqa: SLF001 - the switch every rank flips together
+    if verify is None:
+        verify = programs._VERIFY.on  # noqa: SLF001 - the switch every rank flips together
+    entry = (call.plan, verify)
     compiled = _cache.get(entry)
     if compiled is not None:
         if compiled.device is runtime.current().local_device:
@@ -235,6 +332,7 @@ def program(call: DeviceCall) -> Compiled:
 def clear_cache() -> None:
     with _lock:
         _cache.clear()
+        _permutes.clear()
 
 
 def fingerprint(key: ProgramKey) -> np.ndarray:

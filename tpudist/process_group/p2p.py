@@ -28,9 +28,11 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from tpudist.process_group import device_arrays as da
 from tpudist.process_group import device_collectives as dc
+from tpudist.process_group import programs
 from tpudist.process_group import tensors as tz
 from tpudist.process_group.checks import check_output, overlaps
 from tpudist.process_group.programs import ProgramKey
@@ -47,7 +49,8 @@ class DeferredWork(Work):
     source: int | None = None
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        P2P.flush()
+        if not self._finished and not P2P.run_inline(self):
+            P2P.flush()
         return super().wait(timeout)
 
     def get_future(self) -> torch.futures.Future:
@@ -74,6 +77,8 @@ class Pending:
     work: DeferredWork
     call: da.DeviceCall | None
     index: int = 0  # 1 + how many ops this side posted before it on its channel (sender, receiver, tag)
+    signature: bytes = b""  # its fingerprint, which the pair's leader compares with the peer's op
+    peer_signature: bytes | None = None  # the peer's, when the two differ: nothing runs, both raise
     done: bool = False
     result: Any = None
     error: BaseException | None = None
@@ -137,6 +142,25 @@ class PointToPoint:
                 self.cancel(error)
                 raise error
 
+    def run_inline(self, work: DeferredWork) -> bool:
+        """Runs ``work``'s op in the caller's thread if the comm stream is idle; whether it did.
+
+        A blocking ``send``/``recv`` is then one thread's work (a hand-off to the comm thread and
+        back cost a small transfer ~0.1-0.3 ms on 2 busy cores). Only that op is taken out of the
+        pending list: the others stay for the next flush, though serving this pair may run them
+        already (their works finish when flushed). Not with a recv from any source pending (its
+        place in the order is kept by the flush) nor on a group whose timeout is shorter than XLA's
+        (its waiter must be able to give up: see ProcessGroupTPU._enqueue)."""
+        mine = [p for p in self._pending if p.work is work]
+        if (len(mine) != 1 or not mine[0].group._inline  # noqa: SLF001
+                or any(p.order[0] is None for p in self._pending)):
+            return False
+        (op,) = mine
+        if STREAM.run_now(work, _run_until_done, op) is None:
+            return False
+        self._pending.remove(op)
+        return True
+
     def idle(self) -> bool:
         """Whether no send or recv is pending (so a collective may run without flushing first)."""
         return not self._pending
@@ -173,7 +197,12 @@ def _counter(src: int, dst: int, tag: int) -> str:
 
 
 def _announce(group: Any, src: int, dst: int, tag: int) -> None:
-    group._store.add(_counter(src, dst, tag), 1)  # noqa: SLF001
+    if group.size() > 2:  # in a group of two, a recv from any source can only be from the other rank
+        group._store.add(_counter(src, dst, tag), 1)  # noqa: SLF001
+
+
+def _sent(group: Any, src: int, dst: int, tag: int) -> int:
+    return group._store.add(_counter(src, dst, tag), 0)  # noqa: SLF001
 
 
 def _received(group: Any) -> dict[tuple[int, int], int]:
@@ -199,7 +228,8 @@ def _recv_any(op: Pending):
     pause = _POLL_FIRST_S
     while True:
         for peer in peers:  # the lowest group rank with a pending send wins
-            if group._store.add(_counter(peer, me, tag), 0) > received.get((peer, tag), 0):  # noqa: SLF001
+            # in a group of two the sender is known (no counter: see _announce)
+            if len(peers) == 1 or _sent(group, peer, me, tag) > received.get((peer, tag), 0):
                 op.work.source = peer
                 op.order = (group.global_ranks[peer], group.global_ranks[me], tag)
                 _pair_order(op).add(op)
@@ -213,11 +243,15 @@ def _recv_any(op: Pending):
         pause = min(pause * 2, _POLL_MAX_S)
 
 
-def _transfer(op: Pending, src: int, dst: int):
+def _transfer(op: Pending, src: int, dst: int, seq: int):
     group, kind, t, tag = op.group, op.kind, op.tensor, op.order[2]
     pair = (min(src, dst), max(src, dst))
     try:
-        return (_host_transfer if op.call is None else _device_transfer)(op, pair, src, dst)
+        if op.peer_signature is not None and _either_on_device(op):
+            raise _mismatch(op, pair)  # the leader found the two sides' ops differ: nothing runs
+        if op.call is None:
+            return _host_transfer(op, pair, src, dst)
+        return _device_transfer(op, pair, src, dst, seq)
     except CollectiveMismatch as e:
         raise CollectiveMismatch(
             f"{kind} {src}->{dst} (tag {tag}) of {tuple(t.shape)} {t.dtype} on {t.device.type}: the sender's "
@@ -242,17 +276,23 @@ def _host_transfer(op: Pending, pair: tuple[int, int], src: int, dst: int):
 
 
 class PairOrder:
-    """Which transfer between two ranks of a group runs next: decided by the pair's lower rank.
+    """Which transfer between two ranks of a group runs next: decided by the pair's lower rank,
+    which also checks that the two sides' ops match.
 
     A transfer is a program both sides dispatch, so both must run the pair's transfers in one
     order. Sorting each side's pending ops is not enough: the sides flush different sets (a
     pipeline schedule posts a send, then waits for a recv; its peer waits for that recv first and
     posts its recv of the send only afterwards), and ranks running different transfers get a
-    mismatch or a hang. So the follower (the higher rank) announces every op it posts, per channel
-    (sender, receiver, tag), in the group's store; the leader runs, among its own ops, the first
-    (in flush order) that the follower has posted too, and writes its choice into the store's
-    next slot, which the follower reads and deletes. Ops on one channel match in posting order
-    (c10d's rule), so an op is named by its channel and its index on it.
+    mismatch or a hang. So the follower (the higher rank) pushes every op it posts, with its
+    fingerprint, onto the pair's "posted" queue in the group's store; the leader runs, among its
+    own ops, the first (in flush order) that the follower has posted too, and pushes its choice onto
+    the pair's "decided" queue, which the follower pops. Ops on one channel (sender, receiver, tag)
+    match in posting order (c10d's rule), so an op is named by its channel and its index on it.
+
+    The leader compares the two fingerprints before anything runs: ops that differ (element count
+    and dtype of a tpu tensor, bytes of a cpu tensor, or the device type) fail on both sides with
+    ``CollectiveMismatch`` and no data moves, so the transfer program itself needs no fingerprint
+    exchange (one XLA collective per transfer instead of two, and no device-to-host read).
     """
 
     def __init__(self, group: Any, pair: tuple[int, int]):
@@ -260,8 +300,12 @@ class PairOrder:
         self.leader = group.global_ranks[group.rank()] == pair[0]
         self.ops: list[Pending] = []  # posted, not yet run, in posting order
         self.posted: dict[tuple, int] = {}  # this side's ops per channel
-        self.seen: dict[tuple, int] = {}  # the leader: the follower's ops per channel, as last read
-        self.slot = 0
+        self.peer_posted: dict[str, bytes] = {}  # the leader: the follower's ops not yet run, by name
+        self.slot = 0  # transfers run on this pair: both sides count alike
+        self.inbox: list[bytes] = []  # the follower: decisions a blocking wait received
+        self.posted_q = StoreQueue(group, _queue(pair, "posted"))  # the follower's ops, for the leader
+        self.decided_q = StoreQueue(group, _queue(pair, "decided"))  # the leader's choices, for the follower
+        self.waits_on = self.posted_q if self.leader else self.decided_q  # what block() pops
         self.lock = threading.Lock()
 
     def add(self, op: Pending) -> None:
@@ -269,12 +313,14 @@ class PairOrder:
         with self.lock:
             op.index = self.posted[op.order] = self.posted.get(op.order, 0) + 1
             self.ops.append(op)
+        op.signature = _signature(op, self.pair)
         if op.kind == "recv":  # an any-source recv does not pair with a send another recv takes
             peer, tag = self.group.global_ranks.index(op.order[0]), op.order[2]
             received = _received(self.group)
             received[(peer, tag)] = received.get((peer, tag), 0) + 1
         if not self.leader:
-            self.group._store.add(_posted_key(op.order), 1)  # noqa: SLF001
+            self.posted_q.push(op.name.encode() + b"|" + op.signature)
+        _wake(self)
 
     def drop(self, op: Pending) -> None:
         with self.lock:
@@ -284,48 +330,222 @@ class PairOrder:
     def try_next(self) -> Pending | None:
         """The op to run next on this pair, as the leader decided; None if nothing is decided yet
         (never blocks: a rank waiting on one pair must still serve its other pairs)."""
-        store, key = self.group._store, _slot_key(self.pair, self.slot)  # noqa: SLF001
+        store = self.group._store  # noqa: SLF001
         if self.leader:
             op = self._first_ready()
-            if op is not None:
-                store.set(key, op.name)
-        elif store.check([key]):
-            name = store.get(key).decode()
-            store.delete_key(key)
+            if op is None:
+                return None
+            peer = self.peer_posted.pop(op.name)
+            if peer != op.signature:
+                op.peer_signature = peer
+            self.decided_q.push(op.name.encode() + b"|" + (op.signature if peer != op.signature else b""))
+        else:
+            message = self._next_decided()
+            if message is None:
+                return None
+            name, _, leader = message.partition(b"|")
             with self.lock:
-                chosen = [op for op in self.ops if op.name == name]
+                chosen = [op for op in self.ops if op.name == name.decode()]
             assert len(chosen) == 1, (name, [op.name for op in self.ops])
             op = chosen[0]
-        else:
-            return None
-        if op is not None:
-            self.slot += 1
+            if leader:
+                op.peer_signature = leader
+        self.slot += 1
         return op
+
+    def _next_decided(self) -> bytes | None:
+        """The follower: the leader's next decision on this pair, or None (wake-ups are skipped)."""
+        while self.inbox:
+            message = self.inbox.pop(0)
+            if message:
+                return message
+        while True:
+            message = self.decided_q.pop()
+            if message is None or message:
+                return message
+
+    def block(self, seconds: float) -> None:
+        """Waits (at most ``seconds``) for the peer's next message on this pair: the leader's
+        decision (this rank follows) or a posted op (this rank leads); another thread of this
+        process posting an op on another pair wakes it too (:func:`_wake`). Used instead of
+        polling when this pair holds all of this rank's pending ops: the store hands the message
+        over the moment it is pushed (polling with backoff added ~0.5-1 ms per transfer)."""
+        if seconds <= 0:
+            return
+        message = self.waits_on.pop_waiting(seconds)
+        if message is None:
+            return
+        if self.leader:
+            self._take_posted(message)
+        else:
+            self.inbox.append(message)
 
     def _first_ready(self) -> Pending | None:
         with self.lock:
             ops = sorted(self.ops, key=lambda p: (p.order, p.index))
+        if not ops:
+            return None
+        if not any(op.name in self.peer_posted for op in ops):
+            self._read_posted()
         for op in ops:
-            if self.seen.get(op.order, 0) < op.index:
-                self.seen[op.order] = self.group._store.add(_posted_key(op.order), 0)  # noqa: SLF001
-            if self.seen[op.order] >= op.index:
+            if op.name in self.peer_posted:
                 return op
         return None
 
+    def _read_posted(self) -> None:
+        while (message := self.posted_q.pop()) is not None:
+            self._take_posted(message)
+
+    def _take_posted(self, message: bytes) -> None:
+        if message:  # not a wake-up
+            name, _, signature = message.partition(b"|")
+            self.peer_posted[name.decode()] = signature
+
     def run(self, op: Pending) -> None:
         try:
-            op.result = _transfer(op, *op.order[:2])
+            op.result = _transfer(op, *op.order[:2], -self.slot)
         except Exception as e:  # noqa: BLE001 - kept for the op's own waiter
             op.error = e
         op.done = True
         self.drop(op)
 
 
+class StoreQueue:
+    """A FIFO of messages in the group's store with one reader (this process) and any writers.
+
+    TCPStore has queues (``queue_push``/``queue_pop``: one round trip each, and a blocking pop that
+    returns the moment a message is pushed). Stores without them (FileStore, HashStore) get
+    numbered keys instead: a push takes a number from a counter and sets that key; the reader
+    takes its keys in order. There ``pop_waiting`` returns at once, and the caller polls.
+    """
+
+    def __init__(self, group: Any, name: str):
+        self.group, self.name = group, name
+        self.read = 0  # numbered keys: how many this reader has taken
+
+    @property
+    def store(self) -> Any:
+        return self.group._store  # noqa: SLF001
+
+    def push(self, message: bytes) -> None:
+        if _has_queues(self.group):
+            self.store.queue_push(self.name, message)
+        else:
+            number = self.store.add(f"{self.name}/count", 1)
+            self.store.set(f"{self.name}/{number}", message)
+
+    def pop(self) -> bytes | None:
+        """The next message, or None if there is none yet (never blocks)."""
+        if _has_queues(self.group):
+            if not self.store.queue_len(self.name):
+                return None
+            return self.store.queue_pop(self.name, False)
+        key = f"{self.name}/{self.read + 1}"
+        if not self.store.check([key]):  # not pushed, or its number taken and not yet set
+            return None
+        message = self.store.get(key)
+        self.store.delete_key(key)
+        self.read += 1
+        return message
+
+    def pop_waiting(self, seconds: float) -> bytes | None:
+        """The next message, waiting at most ``seconds`` for it where the store can wait."""
+        if not _has_queues(self.group):
+            return self.pop()
+        store = _blocking_store(self.group)
+        store.set_timeout(timedelta(seconds=seconds))
+        try:
+            return store.queue_pop(self.name, True)
+        except dist.DistStoreError:  # the time is up: the caller's deadline decides
+            return None
+
+
+def _has_queues(group: Any) -> bool:
+    has = getattr(group, "_p2p_has_queues", None)
+    if has is None:
+        try:
+            group._store.queue_len("tpudist/p2p/probe")  # noqa: SLF001
+            has = True
+        except NotImplementedError:  # FileStore, HashStore: "queue support is not implemented"
+            has = False
+        group._p2p_has_queues = has
+    return has
+
+
+def _blocking_store(group: Any) -> Any:
+    """A second connection to the group's store for :meth:`PairOrder.block` (its timeout is set
+    per wait; the group's own connection keeps the group's)."""
+    store = getattr(group, "_p2p_blocking_store", None)
+    if store is None:
+        store = group._p2p_blocking_store = group._store.clone()  # noqa: SLF001
+    return store
+
+
+def _wake(posted_on: PairOrder) -> None:
+    """An op was just posted on ``posted_on``: a thread of this process blocked on another pair
+    must come back and serve it (an empty message on the queue it waits on)."""
+    with _ORDERS_LOCK:
+        blocked = _BLOCKED[0]
+    if blocked is not None and blocked is not posted_on:
+        blocked.waits_on.push(b"")
+
+
+def _queue(pair: tuple[int, int], what: str) -> str:
+    return f"tpudist/p2p/{what}/{pair[0]}-{pair[1]}"  # global ranks
+
+
+def _key_of(op: Pending, pair: tuple[int, int]) -> ProgramKey:
+    """The program key of ``op``'s transfer: a tpu tensor's elements in their dtype, a cpu
+    tensor's raw bytes (see _host_transfer)."""
+    src, dst = op.order[:2]
+    if op.call is not None:
+        return _device_key(op.kind, op.tensor, pair, src, dst)
+    unit = tz.byte_unit(tz.nbytes(op.tensor))
+    return ProgramKey("permute", (tz.nbytes(op.tensor) // unit.itemsize,), unit.name, pair,
+                      static=((pair.index(src), pair.index(dst)),))
+
+
+def _signature(op: Pending, pair: tuple[int, int]) -> bytes:
+    """``op``'s fingerprint as the collectives' (op, element count, dtype, device type; then the
+    group's code and the op's index on its channel), as hex bytes for the store's queues."""
+    key = _key_of(op, pair)
+    fp = da.fingerprint(key) if op.call is not None else programs.fingerprint(key)
+    where = np.array([op.group._group_code, op.index], np.int32)  # noqa: SLF001
+    return np.concatenate([fp, where]).tobytes().hex().encode()
+
+
+def _either_on_device(op: Pending) -> bool:
+    """Whether a mismatched op fails before any program: when a tpu tensor is on either side (its
+    transfer has no check of its own). Two cpu tensors' programs check themselves, with the
+    envelope or ``TPUDIST_DEBUG=DETAIL``, and give the errors they always gave."""
+    return any(int(np.frombuffer(bytes.fromhex(sig.decode()), np.int32)[0]) & da.DEVICE_FLAG
+               for sig in (op.signature, op.peer_signature))
+
+
+def _mismatch(op: Pending, pair: tuple[int, int]) -> CollectiveMismatch:
+    """The error both sides raise when their ops differ, in the collectives' words."""
+    from tpudist.process_group.group import _live_groups
+
+    mine = np.frombuffer(bytes.fromhex(op.signature.decode()), np.int32)
+    peer = np.frombuffer(bytes.fromhex(op.peer_signature.decode()), np.int32)
+    fps = [mine, peer] if op.group.global_ranks[op.group.rank()] == pair[0] else [peer, mine]
+    names = {programs.group_code(g.group_name): g.group_name for g in _live_groups()}
+    mixed = len({int(fp[0]) & da.DEVICE_FLAG for fp in fps}) > 1
+    calls = "; ".join(f"rank {r} called {da.describe_fingerprint(fp, names, mixed)}" for r, fp in zip(pair, fps))
+    return CollectiveMismatch(
+        f"{op.group._describe(op.kind)}: ranks issued different collectives ({calls}). Every rank of "  # noqa: SLF001
+        "a group must issue the same collectives, with the same shapes, dtypes and reduce ops, in the "
+        "same order; no data was exchanged.")
+
+
 # Waiting for a pair's next transfer: a short first pause (a ping-pong's peer posts within ~0.1 ms),
 # then at most 2 ms (a pipeline's transfers are milliseconds apart).
 _ORDER_POLL_FIRST_S, _ORDER_POLL_MAX_S = 0.00005, 0.002
+_BLOCK_MAX_S = 3600.0  # a blocking wait ends at the group's deadline (or a message) within this
 _ORDERS: dict[tuple[int, tuple[int, int]], PairOrder] = {}
 _ORDERS_LOCK = threading.Lock()
+_BLOCKED: list[PairOrder | None] = [None]  # the pair a thread of this process blocks on (_ORDERS_LOCK)
+_SERVING = threading.Lock()  # one thread at a time decides and runs transfers (inline or comm thread)
 
 
 def _pair_order(op: Pending) -> PairOrder:
@@ -338,41 +558,48 @@ def _pair_order(op: Pending) -> PairOrder:
 
 
 def _run_until_done(op: Pending) -> Any:
-    """Runs decided transfers of every pair this rank is in until ``op`` has run (the comm stream's
-    thread only). Serving every pair, not only ``op``'s, is what keeps ranks in several pairs (a
-    pipeline of 4) from waiting on each other in a cycle: a rank blocks inside a transfer only as
-    a leader that decided it, waiting for a higher rank, so the waits only ever go up in rank."""
+    """Runs decided transfers of every pair this rank is in until ``op`` has run (on the comm
+    stream's thread, or inline in the caller's: one thread at a time). Serving every pair, not only
+    ``op``'s, is what keeps ranks in several pairs (a pipeline of 4) from waiting on each other in a
+    cycle: a rank blocks inside a transfer only as a leader that decided it, waiting for a higher
+    rank, so the waits only ever go up in rank. When one pair holds all of this process's pending
+    ops, the rank waits on the store for that pair's next message instead of polling."""
     timeout = op.group._timeout  # noqa: SLF001
     deadline, pause = time.monotonic() + timeout.total_seconds(), _ORDER_POLL_FIRST_S
     while not op.done:
-        with _ORDERS_LOCK:
-            orders = [o for o in _ORDERS.values() if o.ops]
-        ran = False
-        for order in orders:
-            nxt = order.try_next()
-            if nxt is not None:
-                order.run(nxt)
-                ran = True
-        if ran:
+        with _SERVING:
+            with _ORDERS_LOCK:
+                orders = [o for o in _ORDERS.values() if o.ops]
+            ran = False
+            for order in orders:
+                nxt = order.try_next()
+                if nxt is not None:
+                    order.run(nxt)
+                    ran = True
+        if ran or op.done:
             pause = _ORDER_POLL_FIRST_S
             continue
         if time.monotonic() > deadline:
             _pair_order(op).drop(op)  # failed: it must not pair with a later op of the peer
             raise _timeout(op.group, f"{op.kind} {op.order[0]}->{op.order[1]} (tag {op.order[2]}) found "
                                      "no matching op on its peer", timeout)
+        with _ORDERS_LOCK:  # one pair holds every pending op of this process: wait on it
+            alone = [o for o in _ORDERS.values() if o.ops]
+            blocked = alone[0] if len(alone) == 1 and _BLOCKED[0] is None and _has_queues(alone[0].group) else None
+            if blocked is not None:
+                _BLOCKED[0] = blocked
+        if blocked is not None:
+            try:
+                blocked.block(min(deadline - time.monotonic(), _BLOCK_MAX_S))
+            finally:
+                with _ORDERS_LOCK:
+                    _BLOCKED[0] = None
+            continue
         time.sleep(pause)
         pause = min(pause * 2, _ORDER_POLL_MAX_S)
     if op.error is not None:
         raise op.error
     return op.result
-
-
-def _posted_key(channel: tuple) -> str:
-    return f"tpudist/p2p/posted/{channel[0]}->{channel[1]}/{channel[2]}"  # global ranks
-
-
-def _slot_key(pair: tuple[int, int], slot: int) -> str:
-    return f"tpudist/p2p/order/{pair[0]}-{pair[1]}/{slot}"
 
 
 def _timeout(group: Any, what: str, timeout: timedelta) -> Exception:
@@ -419,12 +646,19 @@ def _device_call(kind: str, t: torch.Tensor) -> da.DeviceCall:
     return da.prepare(key, 0, [], [], "flat", [(t, ("flat", 0, t.numel()))])
 
 
-def _device_transfer(op: Pending, pair: tuple[int, int], src: int, dst: int):
+def _device_transfer(op: Pending, pair: tuple[int, int], src: int, dst: int, seq: int):
+    """The transfer of a tpu tensor: its storage's array in, the receiver's new storage value out,
+    as one program with no fingerprint exchange (PairOrder compared the two sides already).
+    ``seq``: the pair's transfer number (negative: apart from the group's collective numbers),
+    under which the ranks report a failure (``ProcessGroupTPU._failure``)."""
     key = _device_key(op.kind, op.tensor, pair, src, dst)
     me = src if op.kind == "send" else dst
     call = da.DeviceCall(dataclasses.replace(op.call.plan, key=key, me=pair.index(me)), op.call.arrays,
                          op.call.buffers)
-    new_values = op.group._run_program(op.kind, key, call)  # noqa: SLF001
+    try:
+        new_values = da.run_agreed(call)
+    except Exception as e:  # XLA raises ValueError/JaxRuntimeError: make it a c10d-style error
+        raise op.group._failure(op.kind, key.group, seq, e) from e  # noqa: SLF001
     if op.kind == "recv":
         da.write_back(call, new_values)
     return [op.tensor]
