@@ -36,6 +36,7 @@ from tpudist.process_group import programs
 from tpudist.process_group import tensors as tz
 from tpudist.process_group.checks import check_output, overlaps
 from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.runtime import GLOO_LOOP
 from tpudist.process_group.work import STREAM, CollectiveMismatch, Work
 
 
@@ -380,6 +381,13 @@ class PairOrder:
         else:
             self.inbox.append(message)
 
+    def has_news(self) -> bool:
+        """Whether this side already holds what try_next needs (no store read would tell more)."""
+        if self.leader:
+            with self.lock:
+                return any(op.name in self.peer_posted for op in self.ops)
+        return any(self.inbox)
+
     def _first_ready(self) -> Pending | None:
         with self.lock:
             ops = sorted(self.ops, key=lambda p: (p.order, p.index))
@@ -567,6 +575,18 @@ def _run_until_done(op: Pending) -> Any:
     timeout = op.group._timeout  # noqa: SLF001
     deadline, pause = time.monotonic() + timeout.total_seconds(), _ORDER_POLL_FIRST_S
     while not op.done:
+        with _ORDERS_LOCK:  # one pair holds every pending op of this process: wait on it
+            alone = [o for o in _ORDERS.values() if o.ops]
+            blocked = alone[0] if len(alone) == 1 and _BLOCKED[0] is None and _has_queues(alone[0].group) \
+                and not alone[0].has_news() else None
+            if blocked is not None:
+                _BLOCKED[0] = blocked
+        if blocked is not None:  # returns at once if its message is there (one round trip, no poll)
+            try:
+                blocked.block(min(deadline - time.monotonic(), _BLOCK_MAX_S))
+            finally:
+                with _ORDERS_LOCK:
+                    _BLOCKED[0] = None
         with _SERVING:
             with _ORDERS_LOCK:
                 orders = [o for o in _ORDERS.values() if o.ops]
@@ -583,17 +603,7 @@ def _run_until_done(op: Pending) -> Any:
             _pair_order(op).drop(op)  # failed: it must not pair with a later op of the peer
             raise _timeout(op.group, f"{op.kind} {op.order[0]}->{op.order[1]} (tag {op.order[2]}) found "
                                      "no matching op on its peer", timeout)
-        with _ORDERS_LOCK:  # one pair holds every pending op of this process: wait on it
-            alone = [o for o in _ORDERS.values() if o.ops]
-            blocked = alone[0] if len(alone) == 1 and _BLOCKED[0] is None and _has_queues(alone[0].group) else None
-            if blocked is not None:
-                _BLOCKED[0] = blocked
         if blocked is not None:
-            try:
-                blocked.block(min(deadline - time.monotonic(), _BLOCK_MAX_S))
-            finally:
-                with _ORDERS_LOCK:
-                    _BLOCKED[0] = None
             continue
         time.sleep(pause)
         pause = min(pause * 2, _ORDER_POLL_MAX_S)
@@ -655,6 +665,7 @@ def _device_transfer(op: Pending, pair: tuple[int, int], src: int, dst: int, seq
     me = src if op.kind == "send" else dst
     call = da.DeviceCall(dataclasses.replace(op.call.plan, key=key, me=pair.index(me)), op.call.arrays,
                          op.call.buffers)
+    GLOO_LOOP.idle(programs.loop_idle(key, False))  # the CPU path's policy for its data programs
     try:
         new_values = da.run_agreed(call)
     except Exception as e:  # XLA raises ValueError/JaxRuntimeError: make it a c10d-style error
