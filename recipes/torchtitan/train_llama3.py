@@ -1,15 +1,18 @@
-"""torchtitan's Llama 3 debug model with FSDP2 and tensor parallelism on the "tpu" process group.
+"""torchtitan's Llama 3 debug model with FSDP2, tensor and pipeline parallelism on the "tpu" process group.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 recipes/torchtitan/train_llama3.py --device tpu   # 2 fsdp x 2 tp
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 recipes/torchtitan/train_llama3.py --device cpu
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 recipes/torchtitan/train_llama3.py --pp 2 --tp 1  # 2 pp x 2 fsdp
     python recipes/torchtitan/train_llama3.py --device cpu --dp-shard 1 --tp 1     # the reference: one process
     python recipes/torchtitan/train_llama3.py --help
 
 torchtitan 0.3 does the parallelism: its ``ParallelDims`` builds the meshes, ``parallelize_llama``
 applies its tensor-parallel plan (sequence parallel included; the "partial_dtensor" SPMD backend) and
 FSDP2, its loss is vocab-parallel under TP, its ``clip_grad_norm_`` and ``dist_sum`` reduce across
-the meshes. Only the torchtitan modules for the model and its
-parallelism are imported: ``pip install --no-deps torchtitan spmd_types==0.2.3 tyro docstring_parser``
+the meshes; with ``--pp`` its ``pipeline_llm`` splits the layers into stages and runs its schedule
+(1F1B by default) over the "pp" mesh, each stage with FSDP2/TP as above. Only the torchtitan
+modules for the model and its parallelism are imported:
+``pip install --no-deps torchtitan spmd_types==0.2.3 tyro docstring_parser``
 is enough (its full requirements would also bring datasets, which pins huggingface_hub below 2).
 The model is ``llama3_configs["debugmodel"]`` (6 layers, dim 256, vocab 2048); it trains on one
 synthetic batch with AdamW. What a user adds on CPU-emulated chips (the functions under "CPU-launch
@@ -26,6 +29,9 @@ adaptations", and ``build_parallel_model``):
 - ``init_process_group("tpu")`` before torchtitan sees the job (its ``init_distributed`` would pick
   nccl for an unknown device).
 - torchtitan's sharding plan on the model config and its SPMD backend, set as its Trainer sets them.
+- With ``--pp``: the loss handed to ``pipeline_llm`` returns ``(loss, extra)`` as its Trainer's does,
+  the first stage gets the tokens and the last the labels, the step's loss is the last stage's
+  microbatch losses summed over the data-parallel ranks, and ``clip_grad_norm_`` gets the pp mesh.
 - The loss normalised as its trainer does (token sum over the global token count): its FSDP2 sums
   gradients. That reduction is a PREMUL_SUM, which gloo refuses, so the reference run is one process.
 """
@@ -48,7 +54,10 @@ class TitanConfig:
     """Train torchtitan's Llama 3 debug model with its FSDP2 and TP on the "tpu" process group."""
 
     dp_shard: int = option(2, "FSDP2 degree (torchtitan's data_parallel_shard_degree)")
-    tp: int = option(2, "tensor-parallel degree; dp_shard * tp must equal the world size")
+    tp: int = option(2, "tensor-parallel degree; pp * dp_shard * tp must equal the world size")
+    pp: int = option(1, "pipeline-parallel degree (torchtitan's pipeline_llm: its stage split and schedule)")
+    pp_schedule: str = option("1F1B", "torchtitan's pipeline schedule name (GPipe, 1F1B, Interleaved1F1B, ...)")
+    microbatch_size: int = option(1, "rows per pipeline microbatch (pp > 1)")
     device: str = option("tpu", "where the model computes: tpu (the tpudist device) or cpu (torch's CPU kernels)",
                          ("tpu", "cpu"))
     backend: str = option("tpu", "c10d backend (gloo: the reference run, CPU tensors only)", ("tpu", "gloo"))
@@ -71,6 +80,7 @@ class Result:
     losses: list[float]
     grad_norms: list[float]
     param_device: str
+    stages: list[int] = dataclasses.field(default_factory=list)  # pipeline stages this rank holds (pp > 1)
 
 
 # -- CPU-launch adaptations --------------------------------------------------------------------------
@@ -133,7 +143,7 @@ def build_parallel_model(cfg: TitanConfig, llama3: types.ModuleType):
                                     spmd_backend=cfg.spmd_backend)
     dims = ParallelDims.from_config(parallelism, dist.get_world_size())
     dims.build_mesh()
-    model, _ = single_process_model(cfg, llama3, parallelism)
+    model, _, _ = single_process_model(cfg, llama3, parallelism)
     model = llama3.parallelize_llama(
         model, parallel_dims=dims, parallelism=parallelism, compile_config=CompileConfig(), ac_config=None,
         training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
@@ -156,7 +166,34 @@ def single_process_model(cfg: TitanConfig, llama3: types.ModuleType, parallelism
     torch.manual_seed(cfg.seed)
     model = config.build()
     model.init_states()
-    return model, config.vocab_size
+    return model, config.vocab_size, config
+
+
+def build_pipeline(cfg: TitanConfig, llama3: types.ModuleType, device: torch.device, loss_fn):
+    """The debug model split into pipeline stages by torchtitan's ``pipeline_llm`` (its layer split,
+    its schedule over the "pp" mesh), each stage parallelised like the whole model otherwise (FSDP2
+    on "fsdp", TP on "tp"). ``loss_fn(pred, labels)``: the last stage's loss per microbatch."""
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+    dist_utils.set_spmd_backend(cfg.spmd_backend)
+    parallelism = ParallelismConfig(data_parallel_shard_degree=cfg.dp_shard, tensor_parallel_degree=cfg.tp,
+                                    pipeline_parallel_degree=cfg.pp, pipeline_parallel_schedule=cfg.pp_schedule,
+                                    pipeline_parallel_microbatch_size=cfg.microbatch_size,
+                                    spmd_backend=cfg.spmd_backend)
+    dims = ParallelDims.from_config(parallelism, dist.get_world_size())
+    dims.build_mesh()
+    model, vocab_size, config = single_process_model(cfg, llama3, parallelism)
+    training = TrainingConfig(local_batch_size=cfg.batch_size // cfg.dp_shard, mixed_precision_param="float32",
+                              mixed_precision_reduce="float32")
+    schedule, parts, has_first, has_last = pipeline_llm(
+        model, parallel_dims=dims, training=training, parallelism=parallelism, compile_config=CompileConfig(),
+        ac_config=None, dump_folder="", device=device, model_config=config,
+        parallelize_fn=llama3.parallelize_llama, loss_fn=lambda pred, labels: (loss_fn(pred, labels), None))
+    stages = [stage.stage_index for stage in getattr(schedule, "_stages", [getattr(schedule, "_stage", None)])]
+    return schedule, parts, dims, vocab_size, has_first, has_last, stages
 
 
 def batch(cfg: TitanConfig, vocab_size: int, dims) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,8 +213,11 @@ def main(argv: Sequence[str] | None = None) -> Result:
     from torchtitan.distributed import utils as dist_utils
 
     device = torch.device(cfg.device)
+    if cfg.pp > 1:
+        return train_pipeline(cfg, llama3, device)
     if cfg.dp_shard * cfg.tp == 1:  # the reference: one process, no parallelism, the whole batch
-        model, vocab_size, loss_mesh, rank = *single_process_model(cfg, llama3), None, 0
+        model, vocab_size, _ = single_process_model(cfg, llama3)
+        loss_mesh, rank = None, 0
         model.to(device)
         inputs, labels = batch(cfg, vocab_size, None)
         where = "one process"
@@ -208,6 +248,50 @@ def main(argv: Sequence[str] | None = None) -> Result:
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.6f} grad_norm {grad_norms[-1]:.6f}", flush=True)
     return Result(losses, grad_norms, next(model.parameters()).device.type)
+
+
+def train_pipeline(cfg: TitanConfig, llama3: types.ModuleType, device: torch.device) -> Result:
+    """The training loop of torchtitan's Trainer under pipeline parallelism: the schedule runs forward
+    and backward over the microbatches (the first stage feeds the tokens, the last one computes the
+    loss), gradients are clipped over the pp mesh too, and the step's loss is the sum of the last
+    stage's microbatch losses over the data-parallel ranks."""
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed import utils as dist_utils
+
+    if not dist.is_initialized():
+        dist.init_process_group(cfg.backend)
+    global_tokens = cfg.batch_size * cfg.seq_len
+    vocab: list[int] = []  # known once the model is built; the loss runs only after that
+    # each microbatch's token sum over the global token count; the schedule sums their gradients
+    # (scale_grads=False), and FSDP2 sums over the dp ranks: the global mean's gradient
+    schedule, parts, dims, vocab_size, has_first, has_last, stages = build_pipeline(
+        cfg, llama3, device,
+        lambda pred, labels: cross_entropy_loss(pred, labels, global_vocab_size=vocab[0]) / global_tokens)
+    vocab.append(vocab_size)
+    inputs, labels = (t.to(device) for t in batch(cfg, vocab_size, dims))
+    params = [p for part in parts for p in part.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.1)
+    rank = dist.get_rank()
+    if rank == 0:
+        print(f"torchtitan llama3 debugmodel on backend={dist.get_backend()} world_size={dist.get_world_size()} "
+              f"pp={cfg.pp} ({cfg.pp_schedule}) fsdp={cfg.dp_shard} tp={cfg.tp} device={params[0].device}",
+              flush=True)
+    losses, grad_norms = [], []
+    for step in range(1, cfg.steps + 1):
+        microbatch_losses: list[torch.Tensor] = []
+        schedule.step(*((inputs,) if has_first else ()), **({"target": labels, "losses": microbatch_losses}
+                                                             if has_last else {}))
+        grad_norm = dist_utils.clip_grad_norm_(params, cfg.max_norm, pp_mesh=dims.get_mesh("pp"))
+        optimizer.step()
+        optimizer.zero_grad()
+        # the last stage's dp ranks hold the loss (their rows); every other rank adds zero
+        loss = torch.stack(microbatch_losses).sum().detach() if has_last else torch.zeros((), device=device)
+        dist.all_reduce(loss)
+        losses.append(loss.item())
+        grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+        if rank == 0:
+            print(f"step {step} loss {losses[-1]:.6f} grad_norm {grad_norms[-1]:.6f}", flush=True)
+    return Result(losses, grad_norms, params[0].device.type, stages)
 
 
 if __name__ == "__main__":

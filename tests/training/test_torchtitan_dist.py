@@ -1,5 +1,5 @@
-"""torchtitan's Llama 3 debug model with its FSDP2 x TP (2 x 2) on a "tpu" world of 4 ranks trains like
-one process without parallelism.
+"""torchtitan's Llama 3 debug model with its FSDP2 x TP (2 x 2), and with its pipeline parallelism x
+FSDP2 (2 x 2), on a "tpu" world of 4 ranks trains like one process without parallelism.
 
 ``recipes/torchtitan/train_llama3.py`` runs as a library call inside a pool of 4 ranks, on CPU tensors
 and with the model on the "tpu" device; the reference is the same recipe in one process on the whole
@@ -40,6 +40,15 @@ def on_tpu_backend():
         pool.close()
 
 
+_REFERENCES: dict[int, dict] = {}  # steps -> the one-process run's result (it does not depend on the layout)
+
+
+def reference(on_tpu_backend, steps: int) -> dict:
+    if steps not in _REFERENCES:
+        _REFERENCES[steps] = on_tpu_backend("cpu", fns.run_reference, ["--device", "cpu", "--steps", str(steps)])[0]
+    return _REFERENCES[steps]
+
+
 def assert_matches_reference(results: list[dict], ref: dict, device: str, loss_rtol: float) -> None:
     assert ref["losses"][-1] < ref["losses"][0] - 0.5, ref["losses"]  # the reference learns (8.23 -> 7.42 in 2 steps)
     for rank, got in enumerate(results):
@@ -53,13 +62,35 @@ def assert_matches_reference(results: list[dict], ref: dict, device: str, loss_r
 
 def test_fsdp_tp_on_cpu_tensors_matches_one_process(on_tpu_backend):
     argv = ["--device", "cpu", "--steps", "3"]
-    ref = on_tpu_backend("cpu", fns.run_reference, argv)[0]
+    ref = reference(on_tpu_backend, 3)
     results = on_tpu_backend("cpu", fns.run_recipe, argv)
     assert_matches_reference(results, ref, "cpu", loss_rtol=1e-6)
 
 
+PIPELINE = ["--pp", "2", "--dp-shard", "2", "--tp", "1", "--steps", "2"]  # torchtitan's 1F1B, 2 microbatches a step
+
+
+def assert_pipelined(results: list[dict]) -> None:
+    """Ranks 0-1 (pp rank 0: the mesh is pp-major) hold stage 0, ranks 2-3 stage 1."""
+    assert [got["stages"] for got in results] == [[0], [0], [1], [1]], [got["stages"] for got in results]
+
+
+def test_pipeline_fsdp_on_cpu_tensors_matches_one_process(on_tpu_backend):
+    ref = reference(on_tpu_backend, 2)
+    results = on_tpu_backend("cpu", fns.run_recipe, ["--device", "cpu", *PIPELINE])
+    assert_pipelined(results)
+    assert_matches_reference(results, ref, "cpu", loss_rtol=1e-6)
+
+
 def test_fsdp_tp_on_tpu_device_matches_one_process(on_tpu_backend):
-    argv = ["--device", "tpu", "--steps", "2"]
-    ref = on_tpu_backend("cpu", fns.run_reference, [*argv[:0], "--device", "cpu", "--steps", "2"])[0]
-    results = on_tpu_backend("tpu", fns.run_recipe, argv)
+    ref = reference(on_tpu_backend, 2)
+    results = on_tpu_backend("tpu", fns.run_recipe, ["--device", "tpu", "--steps", "2"])
+    assert_matches_reference(results, ref, "tpu", loss_rtol=1e-5)
+
+
+def test_pipeline_fsdp_on_tpu_device_matches_one_process(on_tpu_backend):
+    """The stages' activations and gradients cross as tpu tensors (device point to point)."""
+    ref = reference(on_tpu_backend, 2)
+    results = on_tpu_backend("tpu", fns.run_recipe, ["--device", "tpu", *PIPELINE])
+    assert_pipelined(results)
     assert_matches_reference(results, ref, "tpu", loss_rtol=1e-5)
