@@ -6,6 +6,8 @@
   recomputes a different mask and its gradients are silently wrong.
 - ``torch.load(f, map_location="tpu")`` of a checkpoint saved from CPU tensors: torch would build
   device storages with an allocator a Python backend does not have (the process segfaulted).
+- CPU index tensors into a device tensor (``x[cpu_index]``, ``x[cpu_index] = v``), which CUDA accepts
+  and HF BEiT relies on; other CPU tensor arguments stay a device-mismatch error.
 
 All cases run in one worker process that installs the device (it renames PrivateUse1 for the process).
 """
@@ -115,6 +117,34 @@ def run_load_map_location() -> dict:
     return out
 
 
+def run_cpu_indices(mode: str) -> dict:
+    import tpudist.device  # noqa: F401
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 4)
+    rows, cols = torch.tensor([3, 0, 3]), torch.tensor([1, 2, 3])
+    mask = torch.tensor([True, False, True, False, True])
+    out = {}
+    with torch.tpu.eager_mode(mode):
+        for device in ("cpu", "tpu"):
+            leaf = x.clone().to(device).requires_grad_()
+            picked = leaf[rows] * torch.arange(4.0).to(device)
+            picked.sum().backward()
+            put, acc, fill = (x.clone().to(device) for _ in range(3))
+            put[rows] = torch.ones(3, 4).to(device)
+            acc.index_put_((rows,), torch.ones(3, 4).to(device), accumulate=True)
+            fill[mask] = 7.0
+            out[device] = [t.detach().cpu() for t in (
+                picked, leaf.grad, leaf[rows, cols], leaf[mask], put, acc, fill)]
+        for name, fn in (("add", lambda t: t + torch.ones(4)),
+                         ("index_select", lambda t: t.index_select(0, rows))):
+            try:
+                fn(x.to("tpu"))
+            except RuntimeError as e:
+                out[name] = str(e)
+    return out
+
+
 def _flat(obj, prefix=""):
     if isinstance(obj, dict):
         return {k2: v2 for k, v in obj.items() for k2, v2 in _flat(v, f"{prefix}{k}.").items()}
@@ -163,3 +193,12 @@ def test_torch_load_map_location_tpu(dev):
     for key, value in out["cpu_sd"].items():
         assert torch.equal(out["loaded_model"][key], value), key
     assert out["index"] == 0
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_cpu_index_tensors_into_device_tensors(dev, mode):
+    out = dev(run_cpu_indices, mode)
+    for i, (want, got) in enumerate(zip(out["cpu"], out["tpu"])):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"case {i}")
+    for name in ("add", "index_select"):  # CUDA refuses these with a CPU tensor too
+        assert "Expected all tensors to be on the same device" in out[name], name

@@ -223,7 +223,21 @@ def _inplace_view(inplace_op, view_op):
     return kernel
 
 
+def _cpu_indices_allowed(op):
+    """``op`` with the CPU index tensors that CUDA accepts for a device tensor moved to the device:
+    ``x[cpu_index]``, ``x[cpu_index] = v`` and their backward (HF BEiT builds its relative-position
+    index on the CPU at every forward). Any other CPU tensor argument is still a device mismatch."""
+    def kernel(x, indices, *args, **kwargs):
+        if x.device.type == "tpu":
+            indices = [i.to(x.device) if i is not None and i.device.type == "cpu" else i for i in indices]
+        return core.execute(op, (x, indices, *args), kwargs)
+    return kernel
+
+
 _SPECIAL = {
+    **{op: _cpu_indices_allowed(op) for op in (
+        aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
+        aten._unsafe_index.Tensor, aten._unsafe_index_put.default)},
     aten.empty.memory_format: empty,
     aten.empty_strided.default: empty_strided,
     aten.copy_.default: copy_,
