@@ -46,6 +46,11 @@ class Stats:
     xla_compiles: int = 0  # XLA compilations JAX's persistent cache did not serve
     compile_seconds: float = 0.0  # tracing + lowering + XLA (or loading from disk)
     calls: int = 0
+    # Seconds per program name ("forward", "backward", "inference") since the process started:
+    # whole calls (boundary crossings included), and the XLA program alone (dispatch until its
+    # results are ready; CPU programs only). Benchmarks read where a compiled step's time goes.
+    call_seconds: dict = field(default_factory=dict)
+    program_seconds: dict = field(default_factory=dict)
     # per program with collectives: (graph name, the XLA collective instructions its HLO holds)
     collective_programs: list = field(default_factory=list)
 
@@ -329,13 +334,17 @@ class GraphProgram:
         import jax
 
         key_data = self._key_data() if key_data is None else key_data
-        outs = self._exe.compiled(key_data, self._consts(), *arrays)
+        consts = self._consts()
+        start = time.perf_counter()
+        outs = self._exe.compiled(key_data, consts, *arrays)
         jax.block_until_ready(outs)  # inputs (and temporaries in keep) are read by now
+        _add(STATS.program_seconds, self.name, time.perf_counter() - start)
         return outs
 
     def __call__(self, args: list) -> list:
         import jax
 
+        start = time.perf_counter()
         tensors = [args[i] for i in self._tensor_at]
         passthrough = {o.index: args[o.index] for o in self._outputs if o.kind == "input"}
         args.clear()
@@ -367,7 +376,12 @@ class GraphProgram:
                 results.append(None)
             else:
                 results.append(o.value)
+        _add(STATS.call_seconds, self.name, time.perf_counter() - start)
         return results
+
+
+def _add(seconds: dict, name: str, value: float) -> None:
+    seconds[name] = seconds.get(name, 0.0) + value
 
 
 # -- the interpreter ---------------------------------------------------------------------------------
