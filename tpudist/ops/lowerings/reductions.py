@@ -6,6 +6,8 @@ Integer and bool sums accumulate in int64, as torch's ``sum`` does.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import torch
@@ -29,7 +31,27 @@ def _accumulate(x, dtype):
 
 @lowers(aten.sum.dim_IntList, aten.sum.default)
 def sum_(x, dim=None, keepdim=False, *, dtype=None):
-    return jnp.sum(_accumulate(x, dtype), axis=dims_of(dim, x.ndim), keepdims=keepdim)
+    x, dims = _accumulate(x, dtype), dims_of(dim, x.ndim)
+    if 0 < len(dims) < x.ndim and dims == tuple(range(len(dims))) and x.dtype in (jnp.float32, jnp.float64):
+        return jax.lax.platform_dependent(x, cpu=lambda x: _sum_leading(x, len(dims), keepdim),
+                                          default=lambda x: jnp.sum(x, axis=dims, keepdims=keepdim))
+    return jnp.sum(x, axis=dims, keepdims=keepdim)
+
+
+def _sum_leading(x, num_dims: int, keepdim: bool):
+    """The sum over ``x``'s first ``num_dims`` dims as a product with a vector of ones.
+
+    XLA:CPU emits a reduction over leading dims (a column reduction: a norm weight's gradient,
+    summed over batch and sequence) as a strided scalar loop; its matrix-vector product was 2.5-3x
+    faster (fused (16, 32, 64) products summed over (0, 1): 23-33 us against 81-92 us; the backward
+    program of benchmarks/compile_step.py's model 4-10% faster at dim 64, 2-5% at dim 256; jax 0.10.2,
+    2026-12-02). Other platforms keep the reduction (not measured there).
+    Exact float32 products (HIGHEST precision); the summation order differs from the reduction's."""
+    lead, rest = x.shape[:num_dims], x.shape[num_dims:]
+    rows = math.prod(lead)
+    out = jax.lax.dot(jnp.ones((rows,), x.dtype), x.reshape(rows, math.prod(rest)),
+                      precision=jax.lax.Precision.HIGHEST, preferred_element_type=x.dtype).reshape(rest)
+    return out.reshape((1,) * num_dims + rest) if keepdim else out
 
 
 @lowers(prims.sum.default)
