@@ -3,6 +3,7 @@
     python benchmarks/compile_step.py                        # the recipe's model, fp32 and bf16
     python benchmarks/compile_step.py --dim 256 --seq-len 128 --batch 4 --rounds 20
     python benchmarks/compile_step.py --cold                 # empty program caches (first-step cost)
+    OMP_NUM_THREADS=1 python benchmarks/compile_step.py      # one torch thread, as the tpu programs use
     python benchmarks/compile_step.py --ranks 4 --mesh 1,2,2 # the recipe's trainer: FSDP2+TP, --compile or not
 
 One process (or --ranks N "tpu" ranks running the recipe's Trainer, whose --compile compiles each
@@ -13,7 +14,9 @@ variant's ratio to eager (< 1: faster than eager), then where each variant's ste
 backward, optimizer) and, for the tpu backend, how much of its forward and backward is XLA's
 program and how much the backend's call around it (boundary crossings); the rest of a forward or
 backward is torch.compile's own wrapper (Dynamo guards, AOTAutograd), which inductor pays too.
-On a shared machine torch's two threads suffer most from other load: compare runs of one moment.
+On a shared machine torch's threads suffer most from other load (its OpenMP threads wait for each
+other): under a load average of 7-12 on 2 cores the same run gave tpu/inductor 0.3x with two torch
+threads and 1.6x with one (2026-12-02); compare runs of one moment, and OMP_NUM_THREADS=1 runs.
 """
 
 from __future__ import annotations
