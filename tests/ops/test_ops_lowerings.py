@@ -603,6 +603,32 @@ def test_median_and_mode_indices_match_cpu(x):
         torch.testing.assert_close(run_on_jax(op, x, jit=False), op(x), equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,dim", [((5, 3), 0), ((4, 3, 2), 2), ((3, 4), -1)], ids=["dim0", "last", "whole"])
+def test_weight_norm_interface_backward_matches_cpu(shape, dim, dtype):
+    """torch's CPU kernel of the fused weight-norm backward (``nn.utils.parametrizations.weight_norm``)."""
+    v = _t(*shape).to(dtype)
+    g_shape = [1] * len(shape) if dim == -1 else [n if i == dim else 1 for i, n in enumerate(shape)]
+    g = _t(*g_shape, low=0.5, high=2).to(dtype)
+    if dim == -1:  # the CPU kernel takes dim 0 or the last; the whole-tensor norm goes through autograd
+        vr, gr = v.float().requires_grad_(), g.float().requires_grad_()
+        w = vr * (gr / vr.norm())
+        grad_w = _t(*shape)
+        expected = torch.autograd.grad(w, (vr, gr), grad_w)
+        got = run_on_jax(aten._weight_norm_interface_backward.default, grad_w.to(dtype), v, g, vr.norm().reshape(
+            g_shape).to(dtype), dim, jit=False)
+        expected = [e.to(dtype) for e in expected]
+    else:
+        w, norms = aten._weight_norm_interface(v, g, dim)
+        grad_w = _t(*shape).to(dtype)
+        expected = aten._weight_norm_interface_backward(grad_w, v, g, norms, dim)
+        got = run_on_jax(aten._weight_norm_interface_backward.default, grad_w, v, g, norms, dim, jit=False)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol)
+
+
 def run_all_cases():
     """Every hand-written case, for the coverage check in test_ops_opinfo (pytest runs them one by one)."""
     for case in DIRECT:
@@ -624,6 +650,8 @@ def run_all_cases():
     test_batch_norm_lowerings_match_cpu()
     test_sync_batch_norm_pieces_equal_batch_norm_over_the_union(torch.float32)
     test_grouped_mm_matches_cpu(_GROUPED[0], torch.float32)
+    test_median_and_mode_indices_match_cpu(_TIED[0])
+    test_weight_norm_interface_backward_matches_cpu((5, 3), 0, torch.float32)
     for op, failing, passing, message in _ASSERT_CASES:
         test_assertions_raise_as_torch_does_concrete_and_traced(op, failing, passing, message)
     _run_nn_extra_cases()

@@ -113,3 +113,12 @@ def matmul_backward(grad, x, y, mask):
     _, vjp = jax.vjp(jnp.matmul, x, y)
     gx, gy = vjp(grad.astype(jnp.result_type(x, y)))
     return gx, gy
+
+
+@lowers(aten.linalg_matrix_exp.default)
+def matrix_exp(x):
+    # batched (..., n, n), real and complex; bf16/f16 in float32 (JAX's expm takes neither). Its backward is
+    # torch's composite: a matrix_exp of a (2n, 2n) block matrix
+    if x.dtype in LOW_PRECISION:
+        return jax.scipy.linalg.expm(x.astype(jnp.float32)).astype(x.dtype)
+    return jax.scipy.linalg.expm(x)

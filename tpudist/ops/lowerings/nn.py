@@ -452,3 +452,19 @@ def sdpa_flash_cpu_backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_cau
     _, pullback = jax.vjp(forward, upcast(q), upcast(k), upcast(v))
     return pullback(upcast(grad_out).astype(jnp.promote_types(upcast(q).dtype, jnp.float32)))
 
+
+
+# -- weight normalisation ----------------------------------------------------------------------------
+
+def _weight_norm(v, g, dim):
+    """``v * g / ||v||``, the norm over every dim but ``dim`` (all dims when ``dim`` is -1)."""
+    axes = tuple(i for i in range(v.ndim) if i != dim) if dim != -1 else tuple(range(v.ndim))
+    return v * (g / jnp.sqrt(jnp.sum(v * v, axis=axes, keepdims=True)))
+
+
+@lowers(aten._weight_norm_interface_backward.default)
+def weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    # f32 math for bf16/f16, as torch's kernels accumulate; the gradients come back in v's and g's dtypes
+    _, pullback = jax.vjp(lambda v, g: _weight_norm(v, g, dim), upcast(saved_v), upcast(saved_g))
+    grad_v, grad_g = pullback(upcast(grad_w))
+    return grad_v.astype(saved_v.dtype), grad_g.astype(saved_g.dtype)
