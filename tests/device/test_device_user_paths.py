@@ -6,6 +6,8 @@
   recomputes a different mask and its gradients are silently wrong.
 - ``torch.load(f, map_location="tpu")`` of a checkpoint saved from CPU tensors: torch would build
   device storages with an allocator a Python backend does not have (the process segfaulted).
+- ``torch.amp.GradScaler("tpu")`` with autocast: unscale, the inf check that skips a step, and the
+  scale's growth and back-off, as on the CPU.
 - CPU index tensors into a device tensor (``x[cpu_index]``, ``x[cpu_index] = v``), which CUDA accepts
   and HF BEiT relies on; other CPU tensor arguments stay a device-mismatch error.
 
@@ -145,6 +147,35 @@ def run_cpu_indices(mode: str) -> dict:
     return out
 
 
+def run_grad_scaler(mode: str) -> dict:
+    import tpudist.device  # noqa: F401
+    import torch.nn.functional as F
+
+    out = {}
+    with torch.tpu.eager_mode(mode):
+        for device in ("cpu", "tpu"):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).to(device)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 16, growth_interval=2)
+            scales = []
+            for step in range(5):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(device)
+                with torch.autocast(device, dtype=torch.bfloat16):
+                    loss = F.mse_loss(model(x).float(), torch.zeros(4, 2).to(device))
+                if step == 2:
+                    loss = loss * float("inf")  # this step's gradients overflow: skipped, scale backs off
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                scales.append(scaler.get_scale())
+            out[device] = (scales, [p.detach().cpu() for p in model.parameters()])
+    return out
+
+
 def _flat(obj, prefix=""):
     if isinstance(obj, dict):
         return {k2: v2 for k, v in obj.items() for k2, v2 in _flat(v, f"{prefix}{k}.").items()}
@@ -202,3 +233,11 @@ def test_cpu_index_tensors_into_device_tensors(dev, mode):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"case {i}")
     for name in ("add", "index_select"):  # CUDA refuses these with a CPU tensor too
         assert "Expected all tensors to be on the same device" in out[name], name
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_grad_scaler_with_autocast_steps_like_cpu(dev, mode):
+    out = dev(run_grad_scaler, mode)
+    assert out["tpu"][0] == out["cpu"][0] == [2.0 ** 16, 2.0 ** 17, 2.0 ** 16, 2.0 ** 16, 2.0 ** 17]
+    for got, want in zip(out["tpu"][1], out["cpu"][1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

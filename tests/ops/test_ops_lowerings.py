@@ -629,6 +629,36 @@ def test_weight_norm_interface_backward_matches_cpu(shape, dim, dtype):
         torch.testing.assert_close(a, b, **tol)
 
 
+_INF, _NAN_ = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("poison", [None, _INF, _NAN_, -_INF], ids=["finite", "inf", "nan", "neg_inf"])
+@pytest.mark.parametrize("already", [0.0, 1.0], ids=["clean", "found_before"])
+def test_amp_check_and_unscale_matches_cpu(poison, already):
+    """GradScaler.unscale_'s kernel: every gradient unscaled (f32, bf16, a 0-dim one), found_inf set by
+    any non-finite element of any of them, kept when it was set before."""
+    grads = [_t(3, 4), _t(5).to(torch.bfloat16), _t(2, 2, 2).to(torch.float16), torch.tensor(3.0)]
+    if poison is not None:
+        grads[1][2] = poison
+    found, inv = torch.tensor([already]), torch.tensor([0.25])
+    got_grads, got_found = run_on_jax(aten._amp_foreach_non_finite_check_and_unscale.default, grads, found, inv,
+                                      jit=False)
+    want = [g.clone() for g in grads]
+    aten._amp_foreach_non_finite_check_and_unscale_(want, found, inv)
+    assert compare(want, list(got_grads)) is None
+    assert torch.equal(got_found, found)
+
+
+@pytest.mark.parametrize("tracker,found,scale", [(0, 0.0, 8.0), (1, 0.0, 8.0), (1, 1.0, 8.0), (1, 0.0, 3e38)],
+                         ids=["count", "grow", "back_off", "grown_inf_kept"])
+def test_amp_update_scale_matches_cpu(tracker, found, scale):
+    args = (torch.tensor([scale]), torch.tensor([tracker], dtype=torch.int32), torch.tensor([found]), 2.0, 0.5, 2)
+    got_scale, got_tracker = run_on_jax(aten._amp_update_scale.default, *args, jit=False)
+    want_scale, want_tracker = args[0].clone(), args[1].clone()
+    aten._amp_update_scale_(want_scale, want_tracker, *args[2:])
+    assert torch.equal(got_scale, want_scale) and torch.equal(got_tracker, want_tracker)
+
+
 def run_all_cases():
     """Every hand-written case, for the coverage check in test_ops_opinfo (pytest runs them one by one)."""
     for case in DIRECT:
@@ -651,6 +681,8 @@ def run_all_cases():
     test_sync_batch_norm_pieces_equal_batch_norm_over_the_union(torch.float32)
     test_grouped_mm_matches_cpu(_GROUPED[0], torch.float32)
     test_median_and_mode_indices_match_cpu(_TIED[0])
+    test_amp_check_and_unscale_matches_cpu(_INF, 0.0)
+    test_amp_update_scale_matches_cpu(1, 0.0, 8.0)
     test_weight_norm_interface_backward_matches_cpu((5, 3), 0, torch.float32)
     for op, failing, passing, message in _ASSERT_CASES:
         test_assertions_raise_as_torch_does_concrete_and_traced(op, failing, passing, message)

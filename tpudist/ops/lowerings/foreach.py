@@ -166,3 +166,32 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_step
     return _adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr=lr, beta1=beta1,
                  beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
                  grad_scale=grad_scale, found_inf=found_inf, decoupled=False)
+
+
+# -- mixed-precision loss scaling (torch.amp.GradScaler) --------------------------------------------
+
+@lowers(aten._amp_foreach_non_finite_check_and_unscale.default)
+def amp_check_and_unscale(grads, found_inf, inv_scale):
+    """Each gradient times ``inv_scale`` (in float32 for bf16/f16, as torch's kernels); ``found_inf``
+    becomes 1 if any element of any gradient is inf or NaN, else stays as it was."""
+    inv = inv_scale.reshape(())
+    unscaled, bad = [], jnp.zeros((), bool)
+    for g in grads:
+        wide = upcast(g)
+        bad = bad | jnp.any(~jnp.isfinite(wide))
+        unscaled.append((wide * inv).astype(g.dtype))
+    return unscaled, jnp.where(bad, jnp.ones_like(found_inf), found_inf)
+
+
+@lowers(aten._amp_update_scale.default)
+def amp_update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    """GradScaler's update: back off and reset the tracker after an inf; otherwise count a good step and
+    grow the scale (if the grown scale is finite) every ``growth_interval`` of them."""
+    inf = found_inf.reshape(()) != 0
+    successful = growth_tracker + 1
+    grow = successful == growth_interval
+    grown = scale * jnp.asarray(growth_factor, scale.dtype)
+    kept = jnp.where(grow & jnp.isfinite(grown), grown, scale)
+    new_scale = jnp.where(inf, scale * jnp.asarray(backoff_factor, scale.dtype), kept)
+    new_tracker = jnp.where(inf | grow, jnp.zeros_like(growth_tracker), successful).astype(growth_tracker.dtype)
+    return new_scale, new_tracker
