@@ -17,7 +17,8 @@ that takes device tensors (the recipe checks at start-up and says so).
 their gradients go point to point between stages (on "tpu" tensors with ``--device tpu``, without a
 host copy). ``--schedule`` picks GPipe, 1F1B or interleaved 1F1B (two stages per rank). The step is
 the same as without pipelining (same data, loss, clipping and learning-rate schedule), so the losses
-equal a one-process run's.
+equal a one-process run's. ``--checkpoint-dir``/``--resume`` save and restore each rank's stages and
+their optimizer state (one ``torch.distributed.checkpoint`` save, stages named by their index).
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from tpudist.training import StepMetrics, TrainConfig
+from tpudist.training import Checkpointer, StepMetrics, TrainConfig
+from tpudist.training.checkpoint import COMPLETE_MARKER
 from tpudist.training.config import option, parse_config
 from tpudist.training.data import MarkovTask
 from tpudist.training.metrics import MetricsLogger
@@ -86,6 +90,38 @@ class Stage(nn.Module):
         return self.output(self.norm(h)).float() if self.output is not None else h
 
 
+class StageCheckpointer(Checkpointer):
+    """:class:`Checkpointer` with the optimizer state flattened per parameter name.
+
+    Pipeline ranks hold different parameters; the nested form keeps the optimizer's param_groups as
+    one list under one key, and torch.distributed.checkpoint writes one copy of each key (rank 0's):
+    the other stages' ranks loaded groups naming rank 0's parameters (measured: AdamW then lost its
+    betas). Flattened, every key names one parameter. (Checkpointer taking ``StateDictOptions``
+    would make this class unnecessary.)"""
+
+    OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int):
+        path = self.step_dir(step)
+        model_state, optim_state = get_state_dict(model, optimizer, options=self.OPTIONS)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            (path / COMPLETE_MARKER).write_text(f"{step}\n")
+        dist.barrier()
+        return path
+
+    def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        path = self.step_dir(step)
+        if not (path / COMPLETE_MARKER).is_file():
+            raise FileNotFoundError(f"no complete checkpoint for step={step}: {path}/{COMPLETE_MARKER} is missing")
+        model_state, optim_state = get_state_dict(model, optimizer, options=self.OPTIONS)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self.OPTIONS)
+
+
 class PipelineTrainer:
     """:class:`tpudist.training.Trainer`'s step with the model split into pipeline stages over the mesh
     axis "pp" and each stage FSDP2-sharded over "dp_shard"."""
@@ -135,6 +171,10 @@ class PipelineTrainer:
                                      loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
         self.parameters = [p for stage in stages for p in stage.submod.parameters()]
         self.optimizer = torch.optim.AdamW(self.parameters, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # what a checkpoint holds on this rank: its stages, named by stage index (ranks save disjoint names,
+        # which one torch.distributed.checkpoint save joins; FSDP2 shards them over dp_shard)
+        self.stage_modules = nn.ModuleDict({str(i): stage.submod for i, stage in zip(self.stage_ids, stages)})
+        self.checkpointer = StageCheckpointer(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
         self.task = MarkovTask(cfg.vocab_size, cfg.seq_len, seed=cfg.data_seed, branching=cfg.branching)
         self.log = MetricsLogger(enabled=self.rank == 0, path=cfg.metrics_path, log_every=cfg.log_every)
         self.log.print(f"fsdp+pp on backend={dist.get_backend()} world_size={self.world_size} "
@@ -175,11 +215,20 @@ class PipelineTrainer:
                            step_time_s=time.perf_counter() - start, tokens=cfg.global_batch * cfg.seq_len)
 
     def train(self) -> list[StepMetrics]:
-        last_step = min(self.cfg.steps, self.cfg.stop_after) if self.cfg.stop_after else self.cfg.steps
+        """Runs (or resumes) to ``cfg.steps``, checkpointing as :class:`tpudist.training.Trainer` does."""
+        cfg = self.cfg
+        start_step = 0
+        if cfg.resume:
+            start_step = self.checkpointer.load_latest(self.stage_modules, self.optimizer)
+            self.log.print(f"resumed from step {start_step}" if start_step else
+                           f"no complete checkpoint in {cfg.checkpoint_dir}: starting at step 0")
+        last_step = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
         history = []
-        for step in range(1, last_step + 1):
+        for step in range(start_step + 1, last_step + 1):
             history.append(self.train_step(step))
             self.log.log(history[-1])
+            if self.checkpointer and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+                self.log.print(f"checkpoint saved: {self.checkpointer.save(self.stage_modules, self.optimizer, step)}")
         return history
 
     def close(self) -> None:
@@ -190,8 +239,6 @@ class PipelineTrainer:
 
 def main(argv: Sequence[str] | None = None) -> list[StepMetrics]:
     cfg = parse_config(FsdpConfig, argv)
-    if cfg.pp > 1 and cfg.checkpoint_dir:
-        raise ValueError("--checkpoint-dir is not supported with --pp yet; drop one of them")
     trainer = PipelineTrainer(cfg) if cfg.pp > 1 else Trainer(cfg)
     try:
         return trainer.train()

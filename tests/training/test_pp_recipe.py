@@ -74,6 +74,20 @@ def test_pp_fsdp_tpu_device_matches_one_process(run4, reference):
     assert_matches(results, reference, rtol=1e-5)  # measured: losses 1.1e-7, gradient norms 2.5e-8
 
 
+@pytest.mark.parametrize("schedule", ("1f1b", "interleaved1f1b"))
+def test_pp_checkpoint_resume_equals_an_uninterrupted_run(run4, reference, schedule, tmp_path):
+    """Stop after step 2 (checkpoint at 2), resume to 4: steps 3-4 equal the uninterrupted run's (the
+    reference's, to the tolerance the pipelined run already meets), and the resumed run starts at 3."""
+    ckpt = ["--pp", "2", "--schedule", schedule, "--checkpoint-dir", str(tmp_path / schedule),
+            "--checkpoint-every", "2"]
+    first = run4("cpu", [*ckpt, "--stop-after", "2"])
+    resumed = run4("cpu", [*ckpt, "--resume"])
+    assert [len(r) for r in first] == [2] * 4 and [len(r) for r in resumed] == [2] * 4
+    assert_matches([a + b for a, b in zip(first, resumed)], reference, rtol=1e-6)
+    # without the restore, steps 3-4 would start from fresh weights: their loss is the first step's
+    assert resumed[0][0][0] < reference[0][0] - 1e-3, (resumed[0], reference)
+
+
 def test_pp_option_errors_name_the_fix():
     namespace = runpy.run_path(str(RECIPE), run_name="recipe")
     config = namespace["FsdpConfig"]
