@@ -19,9 +19,9 @@ times moved 2-10x between runs), medians of 5 rounds, before -> after the one-pr
 send/recv, blocking store waits): one-way "tpu dev" 4 B 4.6 -> 2.2 ms, 64 B 5.9 -> 1.2 ms, 1 KiB
 5.4 -> 1.2 ms, 16 KiB 3.1 -> 1.3 ms (gloo 50-160 us: 8-40x, was 33-63x); 1-4 MiB within noise
 (2.5-9x gloo). Pipeline step (2 ranks): GPipe 9.2x/8.0x -> 3.9x/4.3x gloo (Strict/Fused), 1F1B
-5.5x/7.6x -> 4.7x/3.3x; 4 ranks: GPipe 7.2x/6.0x -> 4.7x/3.9x, 1F1B 8.8x/7.1x -> 5.2x/4.3x. What remains per small transfer: two store round trips to pair (~0.1-0.3
-ms each under load), the XLA:CPU 2-device permute (~60 us when both sides arrive together) and
-~0.2 ms of Python on each side.
+5.5x/7.6x -> 4.7x/3.3x; 4 ranks: GPipe 7.2x/6.0x -> 4.7x/3.9x, 1F1B 8.8x/7.1x -> 5.2x/4.3x. What
+remains per small transfer: two store round trips to pair (~0.1-0.3 ms each under load), the
+XLA:CPU 2-device permute (~60 us when both sides arrive together) and ~0.2 ms of Python a side.
 """
 
 from __future__ import annotations
