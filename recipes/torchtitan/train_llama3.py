@@ -272,6 +272,7 @@ def train_pipeline(cfg: TitanConfig, llama3: types.ModuleType, device: torch.dev
     params = [p for part in parts for p in part.parameters()]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.1)
     rank = dist.get_rank()
+    tp_rank = dims.get_mesh("tp").get_local_rank() if cfg.tp > 1 else 0
     if rank == 0:
         print(f"torchtitan llama3 debugmodel on backend={dist.get_backend()} world_size={dist.get_world_size()} "
               f"pp={cfg.pp} ({cfg.pp_schedule}) fsdp={cfg.dp_shard} tp={cfg.tp} device={params[0].device}",
@@ -284,8 +285,10 @@ def train_pipeline(cfg: TitanConfig, llama3: types.ModuleType, device: torch.dev
         grad_norm = dist_utils.clip_grad_norm_(params, cfg.max_norm, pp_mesh=dims.get_mesh("pp"))
         optimizer.step()
         optimizer.zero_grad()
-        # the last stage's dp ranks hold the loss (their rows); every other rank adds zero
-        loss = torch.stack(microbatch_losses).sum().detach() if has_last else torch.zeros((), device=device)
+        # the last stage's dp ranks hold the loss of their rows (the same on each of their tp ranks: one
+        # adds it); every other rank adds zero
+        loss = torch.stack(microbatch_losses).sum().detach() if has_last and tp_rank == 0 else \
+            torch.zeros((), device=device)
         dist.all_reduce(loss)
         losses.append(loss.item())
         grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))

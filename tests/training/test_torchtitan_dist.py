@@ -1,5 +1,5 @@
 """torchtitan's Llama 3 debug model with its FSDP2 x TP (2 x 2), and with its pipeline parallelism x
-FSDP2 (2 x 2), on a "tpu" world of 4 ranks trains like one process without parallelism.
+FSDP2 or x TP (2 x 2), on a "tpu" world of 4 ranks trains like one process without parallelism.
 
 ``recipes/torchtitan/train_llama3.py`` runs as a library call inside a pool of 4 ranks, on CPU tensors
 and with the model on the "tpu" device; the reference is the same recipe in one process on the whole
@@ -78,6 +78,15 @@ def assert_pipelined(results: list[dict]) -> None:
 def test_pipeline_fsdp_on_cpu_tensors_matches_one_process(on_tpu_backend):
     ref = reference(on_tpu_backend, 2)
     results = on_tpu_backend("cpu", fns.run_recipe, ["--device", "cpu", *PIPELINE])
+    assert_pipelined(results)
+    assert_matches_reference(results, ref, "cpu", loss_rtol=1e-6)
+
+
+def test_pipeline_tp_on_cpu_tensors_matches_one_process(on_tpu_backend):
+    """pp=2 x tp=2: each stage's tp ranks hold the same loss (one counts it), the batch is not split."""
+    ref = reference(on_tpu_backend, 2)
+    results = on_tpu_backend("cpu", fns.run_recipe, ["--device", "cpu", "--pp", "2", "--dp-shard", "1", "--tp", "2",
+                                                     "--steps", "2"])
     assert_pipelined(results)
     assert_matches_reference(results, ref, "cpu", loss_rtol=1e-6)
 
