@@ -245,7 +245,7 @@ def _recv_any(op: Pending):
 
 
 def _transfer(op: Pending, src: int, dst: int, seq: int):
-    group, kind, t, tag = op.group, op.kind, op.tensor, op.order[2]
+    kind, t, tag = op.kind, op.tensor, op.order[2]
     pair = (min(src, dst), max(src, dst))
     try:
         if op.peer_signature is not None and _either_on_device(op):
@@ -331,7 +331,6 @@ class PairOrder:
     def try_next(self) -> Pending | None:
         """The op to run next on this pair, as the leader decided; None if nothing is decided yet
         (never blocks: a rank waiting on one pair must still serve its other pairs)."""
-        store = self.group._store  # noqa: SLF001
         if self.leader:
             op = self._first_ready()
             if op is None:

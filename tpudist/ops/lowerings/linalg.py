@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from tpudist.ops.lowerings._util import LOW_PRECISION, is_one, promote
+from tpudist.ops.lowerings._util import LOW_PRECISION, is_one, promote, upcast
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten
@@ -119,6 +119,4 @@ def matmul_backward(grad, x, y, mask):
 def matrix_exp(x):
     # batched (..., n, n), real and complex; bf16/f16 in float32 (JAX's expm takes neither). Its backward is
     # torch's composite: a matrix_exp of a (2n, 2n) block matrix
-    if x.dtype in LOW_PRECISION:
-        return jax.scipy.linalg.expm(x.astype(jnp.float32)).astype(x.dtype)
-    return jax.scipy.linalg.expm(x)
+    return jax.scipy.linalg.expm(upcast(x)).astype(x.dtype)

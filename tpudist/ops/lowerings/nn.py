@@ -453,12 +453,11 @@ def sdpa_flash_cpu_backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_cau
     return pullback(upcast(grad_out).astype(jnp.promote_types(upcast(q).dtype, jnp.float32)))
 
 
-
 # -- weight normalisation ----------------------------------------------------------------------------
 
 def _weight_norm(v, g, dim):
     """``v * g / ||v||``, the norm over every dim but ``dim`` (all dims when ``dim`` is -1)."""
-    axes = tuple(i for i in range(v.ndim) if i != dim) if dim != -1 else tuple(range(v.ndim))
+    axes = tuple(i for i in range(v.ndim) if i != dim)
     return v * (g / jnp.sqrt(jnp.sum(v * v, axis=axes, keepdims=True)))
 
 
