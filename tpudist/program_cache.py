@@ -54,11 +54,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from tpudist._cache_storage import TMP_PREFIX, storage_for
+
 log = logging.getLogger(__name__)
 
 _MAGIC = b"TPUDIST-PROGRAM\x01"  # the format; a new layout bumps the last byte
 _SUFFIX = ".tpc"
-_TMP_PREFIX = ".tmp-"
 _DEFAULT_MAX_BYTES = 8 * 2**30
 _STALE_TMP_SECONDS = 3600  # a temporary file this old was left by a writer that died
 _EVICT_TO = 0.9  # eviction frees down to this share of the bound, so the next puts do not scan again
@@ -132,141 +133,6 @@ def max_bytes_from_env() -> int:
     return _DEFAULT_MAX_BYTES if not value else parse_bytes(value)
 
 
-# -- storage: a local folder, or an fsspec filesystem ----------------------------------------------------
-def _tmp_name() -> str:
-    return f"{_TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}"
-
-
-class _Local:
-    """A folder of this machine (or a network filesystem mounted here)."""
-
-    def __init__(self, path: str):
-        self.path = Path(path).expanduser()
-
-    def join(self, name: str) -> str:
-        return str(self.path / name)
-
-    def read(self, name: str) -> bytes | None:
-        try:
-            return (self.path / name).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def write_atomic(self, name: str, data: bytes) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        # os.open with 0o666 honours the umask (mkstemp's 0600 would hide entries from other users
-        # of a shared cache); the random part keeps concurrent writers apart.
-        tmp = self.path / _tmp_name()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.path / name)  # atomic within one folder, on NFS too
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-
-    def touch(self, name: str) -> None:
-        try:
-            os.utime(self.path / name)  # the access time eviction orders by
-        except OSError:  # removed meanwhile, or a read-only shared cache: not worth failing for
-            pass
-
-    def listing(self) -> list[tuple[str, int, float]]:
-        """(name, size, mtime) of every file, temporary ones included."""
-        out = []
-        try:
-            entries = list(os.scandir(self.path))
-        except FileNotFoundError:
-            return out
-        for e in entries:
-            try:
-                st = e.stat()
-            except FileNotFoundError:
-                continue
-            out.append((e.name, st.st_size, st.st_mtime))
-        return out
-
-    def remove(self, name: str) -> bool:
-        try:
-            (self.path / name).unlink()
-            return True
-        except OSError:  # another process evicted it first, or a read-only share
-            return False
-
-
-class _Fsspec:
-    """Any fsspec filesystem. Writes go to a temporary name and are moved into place (object
-    stores make each object visible whole anyway); the checksum catches what a backend does not."""
-
-    def __init__(self, url: str):
-        import fsspec
-
-        self.fs, self.path = fsspec.core.url_to_fs(url)
-        self.path = self.path.rstrip("/")
-        self.url = url
-
-    def join(self, name: str) -> str:
-        return f"{self.path}/{name}"
-
-    def read(self, name: str) -> bytes | None:
-        try:
-            return self.fs.cat_file(self.join(name))
-        except FileNotFoundError:
-            return None
-
-    def write_atomic(self, name: str, data: bytes) -> None:
-        tmp = self.join(_tmp_name())
-        self.fs.makedirs(self.path, exist_ok=True)
-        self.fs.pipe_file(tmp, data)
-        try:
-            self.fs.mv(tmp, self.join(name))
-        except BaseException:
-            self.fs.rm_file(tmp)
-            raise
-
-    def touch(self, name: str) -> None:
-        pass  # fsspec has no portable way to bump a time without rewriting: eviction goes by write time
-
-    def listing(self) -> list[tuple[str, int, float]]:
-        try:
-            infos = self.fs.ls(self.path, detail=True)
-        except FileNotFoundError:
-            return []
-        out = []
-        for info in infos:
-            if info.get("type") == "directory":
-                continue
-            modified = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
-            if hasattr(modified, "timestamp"):
-                modified = modified.timestamp()
-            out.append((info["name"].rstrip("/").rsplit("/", 1)[-1], int(info.get("size") or 0), float(modified)))
-        return out
-
-    def remove(self, name: str) -> bool:
-        try:
-            self.fs.rm_file(self.join(name))
-            return True
-        except OSError:  # another process evicted it first, or no permission
-            return False
-
-
-def _storage(root: str) -> _Local | _Fsspec:
-    if "://" not in root:
-        return _Local(root)
-    try:
-        import fsspec  # noqa: F401
-    except ImportError:
-        raise ValueError(f"TPUDIST_CACHE_DIR={root!r} is a URL, which needs fsspec: pip install fsspec, "
-                         "or give a path (a network filesystem mounted on every host)") from None
-    from fsspec.implementations.local import LocalFileSystem
-
-    store = _Fsspec(root)
-    if isinstance(store.fs, LocalFileSystem):
-        return _Local(store.path)  # file://: atomic rename and utime, which fsspec does not promise
-    return store
-
-
 # -- the cache -----------------------------------------------------------------------------------------
 class ProgramCache:
     """Bytes by key in a folder shared by every process that uses it (see the module docstring).
@@ -279,7 +145,7 @@ class ProgramCache:
     def __init__(self, root: str | os.PathLike, max_bytes: int | None = None):
         self.root = os.fspath(root)
         self.max_bytes = max_bytes_from_env() if max_bytes is None else max_bytes
-        self._storage = _storage(self.root)
+        self._storage = storage_for(self.root)
         self.stats = CacheStats()  # every kind of entry
         self.by_kind: dict[str, CacheStats] = {}  # "fused", "compile", "collective", ...
         self._lock = threading.Lock()
@@ -342,7 +208,7 @@ class ProgramCache:
         now = time.time()
         entries, total = [], 0
         for name, size, mtime in listing:
-            if name.startswith(_TMP_PREFIX):
+            if name.startswith(TMP_PREFIX):
                 if now - mtime > _STALE_TMP_SECONDS:
                     self._storage.remove(name)
             elif name.endswith(_SUFFIX):
