@@ -8,16 +8,14 @@ program (graph, shapes, dtypes, options, library versions and tpudist's lowering
 any process of any host that would trace the same program reads it instead: the second host of a
 pod traces nothing the first traced.
 
-XLA's compile of such a module is kept by JAX's persistent compilation cache
-(``tpudist.jax_cache``), in the same root. On XLA:CPU its key holds the device assignment and the
-process's topology and only JAX process 0 writes it, so those executables are shared between
-processes that run one device each in a world of their own (a single-process host, the next run),
-not across the ranks of one multi-process world; those compile the shared module themselves.
-
-Programs over several processes' devices (eager collectives, compiled graphs with collectives)
-keep their XLA executable here instead (:func:`load_or_compile`), keyed by the devices it was
-compiled for: every rank of the next world with the same layout loads it (2-3 ms) instead of
-compiling it (0.1-0.2 s each on CPU).
+XLA executables are kept here too (:func:`load_or_compile`), keyed by the program and the devices
+they were compiled for: eager collectives (CPU and tpu tensors) and compiled graphs. The same rank
+of the next world, or of another group of hosts with the same layout, loads each (2-3 ms) instead
+of tracing and compiling it (0.1-0.2 s for a collective on CPU); a program over several processes'
+devices serves every rank of its world. Other executables (the device's Fused programs and
+kernels) are in JAX's persistent compilation cache (``tpudist.jax_cache``), in the same root: on
+XLA:CPU its key holds the device assignment and only JAX process 0 writes it, so there rank r > 0
+of a multi-process world compiles them again (docs/cache.md).
 
 Where: ``$TPUDIST_CACHE_DIR`` (default ``~/.cache/tpudist``), a path or, with ``fsspec``
 installed, any fsspec URL (``file://``, ``memory://``, ``s3://``, ...); entries live under
@@ -405,6 +403,8 @@ def load_or_compile(kind: str, key_parts: Any, jitted: Any, args: tuple, devices
     loaded from the cache onto ``devices`` (the device assignment, in the order of the program's
     mesh), or compiled and stored; returns (the ``jax.stages.Compiled``, its meta, whether it was
     loaded). ``meta_fn()``, called after compiling, adds what a caller must know to run it.
+    ``jitted`` may also be a function of no arguments that returns the jitted program: it is then
+    called only where the executable is compiled (a loaded one needs no tracing either).
 
     For programs whose tracing is cheap next to XLA's compile, as the collectives' small
     ``shard_map`` programs are (tracing 20-60 ms, compiling 100-220 ms, loading 2-3 ms: measured on
@@ -414,42 +414,63 @@ def load_or_compile(kind: str, key_parts: Any, jitted: Any, args: tuple, devices
     besides ``key_parts``. Unlike JAX's persistent cache on CPU, an entry written by one process
     serves every process of the program (measured: rank 1 runs rank 0's all_reduce executable).
     Only executables compiled here are stored: XLA:CPU serializes one that JAX's own cache loaded
-    without its kernels. Program outputs must be a flat tuple or list of arrays.
+    without its kernels. Program outputs must be tuples and lists of arrays (nested or not).
     """
     import jax
     from jax.experimental import serialize_executable
 
     cache = default_cache() if cache is None else cache
+
+    def compile_it() -> Any:
+        program = jitted if hasattr(jitted, "lower") else jitted()
+        return program.lower(*args).compile(compiler_options=compiler_options)
+
     if cache is None:
-        compiled = jitted.lower(*args).compile(compiler_options=compiler_options)
+        compiled = compile_it()
         return compiled, meta_fn() if meta_fn else {}, False
     placement = (tuple(d.id for d in devices), devices[0].platform, devices[0].device_kind, jax.device_count(),
                  jax.process_count(), os.environ.get("XLA_FLAGS", ""), sorted((compiler_options or {}).items()))
     key = key_of(kind, (key_parts, placement))
     in_tree = jax.tree.structure((tuple(args), {}))
 
-    def out_tree(num_outputs: int, as_list: bool) -> Any:
-        return jax.tree.structure(list(range(num_outputs)) if as_list else tuple(range(num_outputs)))
-
     def load(data: bytes, meta: dict) -> Any:
-        tree = out_tree(meta["num_outputs"], meta["list"])
-        return serialize_executable.deserialize_and_load(data, in_tree, tree, execution_devices=devices)
+        out_tree = jax.tree.structure(_tree_from_json(meta["out"]))
+        return serialize_executable.deserialize_and_load(data, in_tree, out_tree, execution_devices=devices)
 
     entry = cache.get(key, load)
     if entry is not None:
         return entry.data, entry.meta, True
     _listen_to_jax_cache()
     hits = _jax_cache_hits[0]
-    compiled = jitted.lower(*args).compile(compiler_options=compiler_options)
+    compiled = compile_it()
     meta = meta_fn() if meta_fn else {}
-    num_outputs = compiled.out_tree.num_leaves
-    as_list = compiled.out_tree == out_tree(num_outputs, True)
-    if (_jax_cache_hits[0] == hits and compiled.in_tree == in_tree
-            and (as_list or compiled.out_tree == out_tree(num_outputs, False))):
+    out = _tree_to_json(jax.tree.unflatten(compiled.out_tree, range(compiled.out_tree.num_leaves)))
+    if (_jax_cache_hits[0] == hits and compiled.in_tree == in_tree and out is not None
+            and jax.tree.structure(_tree_from_json(out)) == compiled.out_tree):
         try:
             payload, _, _ = serialize_executable.serialize(compiled)
         except (ValueError, NotImplementedError, TypeError) as e:
             log.info("tpudist.program_cache: %s not serializable (%s)", key, e)
         else:
-            cache.put(key, bytes(payload), {**meta, "num_outputs": num_outputs, "list": as_list})
+            cache.put(key, bytes(payload), {**meta, "out": out})
     return compiled, meta, False
+
+
+def _tree_to_json(node: Any) -> Any:
+    """A program's output structure (tuples and lists over leaves numbered by ``range``) as JSON:
+    ``"x"`` a leaf, ``["t", [...]]`` a tuple, ``["l", [...]]`` a list; None for other containers
+    (dicts, named tuples, None), whose executables are not stored."""
+    if type(node) is int:
+        return "x"
+    if type(node) in (tuple, list):
+        children = [_tree_to_json(c) for c in node]
+        return None if None in children else ["t" if type(node) is tuple else "l", children]
+    return None
+
+
+def _tree_from_json(node: Any) -> Any:
+    if node == "x":
+        return 0
+    tag, children = node
+    values = [_tree_from_json(c) for c in children]
+    return tuple(values) if tag == "t" else values

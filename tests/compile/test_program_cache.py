@@ -3,7 +3,9 @@
 Unit tests of the store (atomic writes under concurrent writers, corrupt and foreign entries,
 eviction at the size bound, fsspec URLs), then processes sharing one cache folder: two emulated
 hosts (separate processes, separate JAX runtimes) where the second traces and compiles nothing the
-first did, and the two ranks of one "tpu" world, where rank 1 traces nothing rank 0 traced.
+first did, the two ranks of one "tpu" world, where rank 1 traces nothing rank 0 traced, and two
+worlds of 2 ranks with programs of every kind (Fused steps, compiled graphs, collectives), where
+the second traces nothing and compiles only what docs/cache.md says cannot be shared.
 """
 
 from __future__ import annotations
@@ -263,14 +265,15 @@ def test_second_host_compiles_nothing_the_first_compiled(tmp_path):
         hosts.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     first, second = hosts
     # The first host traced the forward, the backward and the fused-like program, and compiled them.
-    assert first["compile"]["programs_compiled"] == 2 and first["cache"]["misses"] == 3, first
-    assert first["cache"]["writes"] == 3 and first["compile"]["xla_compiles"] == 2, first
-    # The second traced nothing (every module came from the program cache) and compiled nothing
-    # (every XLA executable came from JAX's persistent cache in the same root).
+    # Misses and writes: 2 modules and 2 executables of the compiled graphs, 1 module of the other.
+    assert first["compile"]["programs_compiled"] == 2 and first["cache"]["misses"] == 5, first
+    assert first["cache"]["writes"] == 5 and first["compile"]["xla_compiles"] == 2, first
+    # The second traced nothing and compiled nothing: the graphs' executables came from the program
+    # cache (so their modules were not even read), the other program's from JAX's persistent cache.
     assert second["compile"]["programs_compiled"] == 0 and second["compile"]["disk_hits"] == 2, second
     assert second["cache"]["misses"] == 0 and second["cache"]["hits"] == 3, second
     assert second["compile"]["xla_compiles"] == 0 and second["jax_cache"]["misses"] == 0, second
-    assert second["jax_cache"]["hits"] >= 3, second
+    assert second["jax_cache"]["hits"] >= 1, second
     assert second["loss"] == first["loss"] and second["grad"] == first["grad"]
     assert second["fused"] == first["fused"]
 
@@ -295,31 +298,48 @@ def test_ranks_of_one_world_share_traced_programs(tmp_path):
     assert second["fused"] == [2 * v for v in first["fused"]]  # rank 1 runs rank 0's module on its own inputs
 
 
-def test_the_next_world_compiles_no_collective(tmp_path):
-    """XLA executables of programs over several processes' devices, eager collectives and a
-    torch.compile graph with a functional all_reduce: a second world (the next run, or another group
-    of hosts with the same layout) on the same folder compiles none of them, on every rank, and gets
-    the same results."""
+def test_the_next_world_compiles_nothing_the_first_compiled(tmp_path):
+    """Two worlds of 2 ranks (the next run, or another group of hosts with the same layout) on one
+    cache folder, each rank running a Fused step on the tpu device, a compiled step, a compiled
+    graph with a functional all_reduce, and eager collectives on CPU and tpu tensors. The second
+    world traces nothing and compiles no XLA program on rank 0; rank 1 compiles only what JAX's
+    cache keeps (the device's Fused programs and host readers: on CPU only JAX process 0 writes
+    it, docs/cache.md). Every XLA compile of each process is counted, not timed."""
     import rank_fns_program_cache as fns
+    import torch
     from tpudist.testing import RankPool
 
+    env = {"TPUDIST_CACHE_DIR": str(tmp_path / "shared"), "OMP_NUM_THREADS": "1"}
     worlds = []
     for _ in range(2):
-        with RankPool(2, backend="tpu", timeout=240, env={"TPUDIST_CACHE_DIR": str(tmp_path / "shared")}) as pool:
-            worlds.append((pool.run(fns.collectives), pool.run(fns.compiled_all_reduce)))
-    (first, first_graph), (second, second_graph) = worlds
+        with RankPool(2, backend="tpu", timeout=300, env=env) as pool:
+            worlds.append(pool.run(fns.one_of_each))
+    first, second = worlds
+    graph = (sum(torch.sin(torch.linspace(-1, 1, 8) * (r + 1)) for r in range(2)) + 1).tolist()
     for rank in range(2):
-        assert first[rank]["big"] == [0.0, 3.0, 6.0] and first[rank]["gathered"] == [0.0, 1.0]
-        assert first[rank]["small"] == 2 and second[rank]["big"] == first[rank]["big"]
-        assert second[rank]["gathered"] == first[rank]["gathered"] and second[rank]["small"] == 2
-        # In the first world a rank may already read what its peer, a moment ahead, compiled.
-        programs = first[rank]["xla_compiles"] + first[rank]["xla_loaded"]
-        assert programs >= 3 and first[rank]["xla_compiles"] >= 1, first[rank]
-        assert second[rank]["xla_compiles"] == 0 and second[rank]["xla_loaded"] == programs, second[rank]
+        got, again = first[rank], second[rank]
+        values = got["values"]
+        assert values["fused"] == pytest.approx(values["compiled"], rel=1e-5), values
+        assert values["graph"] == pytest.approx(graph, abs=1e-6), values
+        assert values["big"] == [0.0, 3.0, 6.0] and values["small"] == 2, values
+        assert values["on_device"] == [3.0 * i for i in range(6)], values
+        assert values["gathered"] == [0.0] * 4 + [1.0] * 4, values
+        assert again["values"] == values, (rank, again["values"], values)
 
-        graph, again = first_graph[rank], second_graph[rank]
-        assert graph["err"] <= 1e-6 and again["err"] <= 1e-6, (rank, graph, again)
-        assert graph["programs_compiled"] + graph["disk_hits"] == 1, graph
-        assert again["programs_compiled"] == 0 and again["disk_hits"] == 1 and again["xla_compiles"] == 0, again
-        assert [ops for _, ops in again["collective_programs"]] == [("all-reduce",)], again
-    assert sum(r["cache"]["writes"] for r in first) >= programs and not any(r["cache"]["writes"] for r in second)
+        # The first world did the work (a rank may read what its peer, a moment ahead, stored).
+        assert got["fused_programs"] == 2 and got["graphs"]["graphs"] == 3, got
+        programs = got["collectives"]["xla_compiles"] + got["collectives"]["xla_loaded"]
+        assert programs >= 7, got  # CPU: data + envelope programs; tpu: read, collective, write per call
+
+        # The second traced nothing: every module and executable came from the program cache.
+        for kind, stats in again["cache"].items():
+            assert stats["misses"] == 0 and stats["writes"] == 0 and stats["corrupt"] == 0, (rank, kind, again)
+        assert again["fused_from_disk"] == again["fused_programs"] == 2, again
+        assert again["graphs"]["programs_compiled"] == 0 and again["graphs"]["disk_hits"] == 3, again
+        assert again["graphs"]["xla_compiles"] == 0, again
+        assert again["collectives"] == {"xla_compiles": 0, "xla_loaded": programs}, (again, got)
+        # ... and compiled no XLA program over several devices, no compiled graph, no collective.
+        assert not [c for c in again["compiles"] if c[2] > 1 or c[0] in ("compiled", "collectives")], again
+    assert second[0]["compiles"] == [], second[0]
+    assert {phase for phase, _, _ in second[1]["compiles"]} <= {"fused", "read"}, second[1]
+    assert len([c for c in second[1]["compiles"] if c[1] == "jit_call"]) == second[1]["fused_programs"], second[1]

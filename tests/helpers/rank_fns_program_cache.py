@@ -41,41 +41,71 @@ def compile_in_turn():
     return out
 
 
-def collectives():
-    """An all_reduce and an all_gather too large for the envelope exchange, and a small all_reduce;
-    the values, and how many XLA executables this rank compiled or read from the program cache."""
-    import torch
-    import torch.distributed as dist
-
-    from tpudist import program_cache
-    from tpudist.process_group.programs import cache_stats
-
-    rank, n = dist.get_rank(), dist.get_world_size()
-    big = torch.arange(50_000, dtype=torch.float32) * (rank + 1)
-    dist.all_reduce(big)
-    gathered = [torch.empty(50_000) for _ in range(n)]
-    dist.all_gather(gathered, torch.full((50_000,), float(rank)))
-    small = torch.tensor([rank + 1], dtype=torch.int64)
-    dist.all_reduce(small, op=dist.ReduceOp.MAX)
-    stats = cache_stats()
-    return {"big": big[:3].tolist(), "gathered": [g[-1].item() for g in gathered], "small": small.item(),
-            "xla_compiles": stats.xla_compiles, "xla_loaded": stats.xla_loaded,
-            "cache": program_cache.stats("collective").snapshot()}
-
-
-def compiled_all_reduce():
-    """A compiled graph with a functional all_reduce inside (one XLA program over the world)."""
+def one_of_each():
+    """A rank's programs of every kind, phase by phase: a Fused training step on the tpu device
+    ("fused"), a compiled step on CPU tensors (forward and backward graphs) and a compiled graph with
+    a functional all_reduce ("compiled"), eager collectives on CPU tensors and on tpu tensors
+    ("collectives"), then the values read back ("read"). Returns the values, the cache counters,
+    and every XLA compile of the process (JAX's ``backend_compile_and_load``, whatever asked for
+    it) as (phase, module name, number of devices)."""
+    import jax._src.compiler as jax_compiler
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
+    import torch.nn.functional as F
 
+    import tpudist.device  # noqa: F401 - before any backward (COMMON.md)
+    from tpudist import program_cache
     from tpudist.compile.program import STATS
+    from tpudist.process_group.programs import cache_stats
 
-    def fn(x):
-        return funcol.all_reduce(torch.sin(x), "sum", dist.group.WORLD) + 1
+    compiles, phase = [], ["fused"]
+    original = jax_compiler.backend_compile_and_load
 
-    x = torch.linspace(-1, 1, 8) * (dist.get_rank() + 1)
-    got = torch.compile(fn, backend="tpu", fullgraph=True, dynamic=False)(x)
-    want = sum(torch.sin(torch.linspace(-1, 1, 8) * (r + 1)) for r in range(dist.get_world_size())) + 1
-    return {"err": (got - want).abs().max().item(), "collective_programs": STATS.collective_programs,
-            **STATS.snapshot()}
+    def counted(backend, module, devices, *args, **kwargs):
+        compiles.append((phase[0], str(module.operation.attributes["sym_name"]).strip('"'), len(devices)))
+        return original(backend, module, devices, *args, **kwargs)
+
+    jax_compiler.backend_compile_and_load = counted
+    try:
+        rank, n = dist.get_rank(), dist.get_world_size()
+        torch.tpu.set_eager_mode("fused")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to("tpu")
+        x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+        loss = F.cross_entropy(model(x.to("tpu")), y.to("tpu"))
+        loss.backward()
+        fused = [loss.item(), model[0].weight.grad.norm().item()]
+        device_stats = torch.tpu.cache_stats()
+
+        phase[0] = "compiled"
+        torch.manual_seed(0)
+        cpu_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        step = torch.compile(lambda a, b: F.cross_entropy(cpu_model(a), b), backend="tpu", fullgraph=True,
+                             dynamic=False)
+        compiled_loss = step(x, y)
+        compiled_loss.backward()
+        graph = torch.compile(lambda a: funcol.all_reduce(torch.sin(a), "sum", dist.group.WORLD) + 1,
+                              backend="tpu", fullgraph=True, dynamic=False)(torch.linspace(-1, 1, 8) * (rank + 1))
+
+        phase[0] = "collectives"
+        big = torch.arange(50_000, dtype=torch.float32) * (rank + 1)
+        dist.all_reduce(big)
+        small = torch.tensor([rank + 1], dtype=torch.int64)
+        dist.all_reduce(small, op=dist.ReduceOp.MAX)
+        on_device = (torch.arange(6.0) * (rank + 1)).to("tpu")
+        dist.all_reduce(on_device)
+        gathered = torch.zeros(4 * n).to("tpu")
+        dist.all_gather_single(gathered, torch.full((4,), float(rank)).to("tpu"))
+
+        phase[0] = "read"
+        values = {"fused": fused, "compiled": [compiled_loss.item(), cpu_model[0].weight.grad.norm().item()],
+                  "graph": graph.tolist(), "big": big[:3].tolist(), "small": small.item(),
+                  "on_device": on_device.cpu().tolist(), "gathered": gathered.cpu().tolist()}
+    finally:
+        jax_compiler.backend_compile_and_load = original
+    collectives = cache_stats()
+    return {"values": values, "compiles": compiles, "fused_programs": device_stats["programs"],
+            "fused_from_disk": device_stats.get("programs_from_disk", 0), "graphs": STATS.snapshot(),
+            "collectives": {"xla_compiles": collectives.xla_compiles, "xla_loaded": collectives.xla_loaded},
+            "cache": {k: program_cache.stats(k).snapshot() for k in ("fused", "compile", "compile_xla", "collective")}}

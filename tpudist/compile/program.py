@@ -8,10 +8,12 @@ waits for it (inputs may be freed or resized by FSDP2 right after), then returns
 XLA's result buffers, each in the dtype ``node.meta["val"]`` records.
 
 Programs are cached in memory by their key (the graph's code, its input shapes and dtypes, its
-constants and the collective groups it names) and on disk twice: the traced program as a
-``jax.export`` module in tpudist's program cache (``tpudist.program_cache``; programs without
-collectives, whose module names no device: any process or host that would trace the same graph
-reads it instead), and XLA's executable in JAX's persistent compilation cache (``tpudist.jax_cache``).
+constants and the collective groups it names) and on disk in tpudist's program cache
+(``tpudist.program_cache``): XLA's executable, keyed by the program and its devices (a rank of a
+later world or another host with the same layout neither traces nor compiles), and for programs
+without collectives also the traced program as a ``jax.export`` module, which names no device: any
+rank or host that would trace the same graph reads it and only compiles. JAX's persistent
+compilation cache (``tpudist.jax_cache``) serves XLA's compile where the executable is missing.
 """
 
 from __future__ import annotations
@@ -269,27 +271,36 @@ class GraphProgram:
         hits = _jax_cache_hits[0]
         args = (key_aval, const_avals, *avals)
         options = self._xla_options or None
-        with jax.enable_x64(True):
-            traced = jax.jit(fn)
+        devices = list(self._collectives.mesh.devices.flat) if self._collectives is not None else [self._device]
+        module_from_cache = [False]
+
+        def jitted():
+            """The program to compile: over several processes' devices it is traced (every rank
+            traces it anyway); on one device, its module is read from the program cache (any rank
+            or host may have traced it) or traced and stored."""
             if self._collectives is not None:
-                # Over several processes' devices: every rank traces it anyway; its XLA executable,
-                # keyed by the devices as well, serves every rank of later worlds of the same layout.
-                compiled, meta, from_cache = program_cache.load_or_compile(
-                    "compile", self.key, traced, args, list(self._collectives.mesh.devices.flat),
-                    compiler_options=options, meta_fn=lambda: {"num_keys": num_keys[0]})
-                num_keys[0] = meta.get("num_keys", num_keys[0])
-            else:
-                loaded = self._load_or_export(traced, args, num_keys)
-                from_cache = loaded.from_cache
-                if loaded.exported is not None:
-                    traced = jax.jit(loaded.exported.call)
-                    num_keys[0] = loaded.meta.get("num_keys", num_keys[0])
-                compiled = traced.lower(*args).compile(compiler_options=options)
-            if from_cache:
+                return jax.jit(fn)
+            loaded = self._load_or_export(jax.jit(fn), args, num_keys)
+            module_from_cache[0] = loaded.from_cache
+            if loaded.exported is None:
+                return jax.jit(fn)
+            num_keys[0] = loaded.meta.get("num_keys", num_keys[0])
+            return jax.jit(loaded.exported.call)
+
+        with jax.enable_x64(True):
+            # XLA's executable, keyed by the program and its devices, from the program cache: this
+            # rank of a later world or another host with the same layout neither traces nor compiles.
+            # Single-device executables are kept here too, not only in JAX's cache, which on CPU
+            # only JAX process 0 writes (docs/cache.md).
+            compiled, meta, loaded = program_cache.load_or_compile(
+                "compile_xla", self.key, jitted, args, devices,
+                compiler_options=options, meta_fn=lambda: {"num_keys": num_keys[0]})
+            num_keys[0] = meta.get("num_keys", num_keys[0])
+            if loaded or module_from_cache[0]:
                 STATS.disk_hits += 1
             else:
                 STATS.programs_compiled += 1
-        if _jax_cache_hits[0] == hits and not (from_cache and self._collectives is not None):
+        if _jax_cache_hits[0] == hits and not loaded:
             STATS.xla_compiles += 1
         if self._collectives is not None:
             text = compiled.as_text()

@@ -78,10 +78,13 @@ def follow_process_group() -> None:
     the chip belonged to the old world's backends, so the next use looks it up again.
     """
     global _device
+    from tpudist.jax_cache import enable_persistent_cache
     from tpudist.process_group import runtime
 
     with LOCK:
         _device = runtime.current().local_device if runtime.is_booted() else None
+        if _device is not None:
+            enable_persistent_cache()  # device() returns this chip without looking it up (and enabling)
 
 
 def get_mode() -> str:

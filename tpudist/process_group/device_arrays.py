@@ -276,9 +276,12 @@ def _permute(compiled: Compiled) -> Any:
         from tpudist.process_group.lowerings import AXIS
 
         lowering = LOWERINGS[compiled.key.op](compiled.key, 0)
-        fn = _permutes[compiled.key] = jax.jit(jax.shard_map(
-            lambda *pieces: tuple(lowering.body(*pieces)), mesh=compiled.sharding.mesh,
-            in_specs=(P(AXIS),) * len(compiled.piece_avals), out_specs=P(AXIS), check_vma=False))
+        mesh = compiled.sharding.mesh
+        jitted = jax.jit(jax.shard_map(lambda *pieces: tuple(lowering.body(*pieces)), mesh=mesh,
+                                       in_specs=(P(AXIS),) * len(compiled.piece_avals), out_specs=P(AXIS),
+                                       check_vma=False))
+        fn = _permutes[compiled.key] = programs.CachedProgram(
+            jitted, list(mesh.devices.flat), ("device_permute", compiled.key, compiled.piece_avals, _device_digest()))
     return fn
 
 
@@ -399,8 +402,24 @@ def _build(plan: Plan, verify: bool) -> Compiled:
                                        out_specs=P(AXIS), check_vma=False))
     sharding = NamedSharding(mesh, P(AXIS))
     fp_aval = core.ShapedArray((n * envelope.FP_WORDS,), np.int32)
-    return Compiled(key, jax.jit(read), collective, jax.jit(write), piece_avals, fingerprint(key), sharding,
-                    runtime.current().local_device, fp_aval)
+    # Their XLA executables come from tpudist's program cache (compiled at the first call
+    # otherwise): the local programs keyed by the whole plan and this rank's device, the collective
+    # by what decides it and the group's devices. The next world, or another host of the same
+    # layout, compiles none of them.
+    device, digest, cached = runtime.current().local_device, _device_digest(), programs.CachedProgram
+    return Compiled(key, cached(jax.jit(read), [device], ("device_read", plan, digest)),
+                    cached(collective, list(mesh.devices.flat),
+                           ("device_collective", key, plan.me, verify, piece_avals, digest)),
+                    cached(jax.jit(write), [device], ("device_write", plan, digest)),
+                    piece_avals, fingerprint(key), sharding, device, fp_aval)
+
+
+def _device_digest() -> str:
+    """The device's and the lowerings' sources (views, storage retyping, dtypes): with this
+    package's own (``programs``), what a cached device program depends on."""
+    from tpudist.device._fused import _source_fingerprint
+
+    return _source_fingerprint()
 
 
 def _jax_dtype(dtype: Any) -> Any:

@@ -91,32 +91,57 @@ class Executable:
         from tpudist import program_cache
 
         cached = mesh is not None and program_cache.default_cache() is not None
-        self._jitted = _FirstCall(self, jitted, mesh, parts) if cached else jitted
+        self._jitted = _FirstCall(self, jitted, list(mesh.devices.flat), parts) if cached else jitted
 
     def __call__(self, *args: Any) -> list[np.ndarray]:
         """This rank's block of each output (host views, no copies)."""
         return [np.asarray(o._arrays[0])[0] for o in self._jitted(*args)]  # noqa: SLF001 - the local shard
 
 
+class CachedProgram:
+    """A jitted program whose XLA executable comes from tpudist's program cache: loaded (or
+    compiled and stored) at its first call, keyed by ``parts`` (what decides the program), this
+    package's source and ``devices`` (the device assignment, in the program's mesh order).
+
+    For programs of the collectives that are not :class:`Executable` s: the device tensors' read,
+    collective and write programs (``device_arrays``) and compiled graphs' fingerprint check
+    (``tpudist.compile.collectives``). Without a cache the jitted program runs as it is.
+    """
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, jitted: Callable[..., Any], devices: list, parts: tuple):
+        from tpudist import program_cache
+
+        self._fn = _FirstCall(self, jitted, devices, parts) if program_cache.default_cache() is not None else jitted
+
+    def __call__(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+
 class _FirstCall:
-    """An :class:`Executable`'s program until its first call, which loads or compiles it."""
+    """An :class:`Executable`'s or :class:`CachedProgram`'s program until its first call, which
+    loads or compiles it and puts the ``jax.stages.Compiled`` in its place."""
 
-    __slots__ = ("owner", "jitted", "mesh", "parts")
+    __slots__ = ("owner", "jitted", "devices", "parts")
 
-    def __init__(self, owner: Executable, jitted: Callable[..., Any], mesh: Any, parts: tuple):
-        self.owner, self.jitted, self.mesh, self.parts = owner, jitted, mesh, parts
+    def __init__(self, owner: Executable | CachedProgram, jitted: Callable[..., Any], devices: list, parts: tuple):
+        self.owner, self.jitted, self.devices, self.parts = owner, jitted, devices, parts
 
     def __call__(self, *args: Any) -> Any:
         from tpudist import program_cache
 
         compiled, _, loaded = program_cache.load_or_compile("collective", (*self.parts, _source_digest()),
-                                                            self.jitted, args, list(self.mesh.devices.flat))
+                                                            self.jitted, args, self.devices)
         with _lock:
             if loaded:
                 _stats.xla_loaded += 1
             else:
                 _stats.xla_compiles += 1
-        self.owner._jitted = compiled  # noqa: SLF001 - later calls go straight to XLA
+        if isinstance(self.owner, Executable):
+            self.owner._jitted = compiled  # noqa: SLF001 - later calls go straight to XLA
+        else:
+            self.owner._fn = compiled  # noqa: SLF001
         return compiled(*args)
 
 
