@@ -402,10 +402,9 @@ def _build(plan: Plan, verify: bool) -> Compiled:
                                        out_specs=P(AXIS), check_vma=False))
     sharding = NamedSharding(mesh, P(AXIS))
     fp_aval = core.ShapedArray((n * envelope.FP_WORDS,), np.int32)
-    # Their XLA executables come from tpudist's program cache (compiled at the first call
-    # otherwise): the local programs keyed by the whole plan and this rank's device, the collective
-    # by what decides it and the group's devices. The next world, or another host of the same
-    # layout, compiles none of them.
+    # XLA executables from tpudist's program cache (else compiled at the first call): the local
+    # programs keyed by the plan and this rank's device, the collective by what decides it and the
+    # group's devices, each also by the device's and lowerings' sources (views, retyping, dtypes).
     device, digest, cached = runtime.current().local_device, _device_digest(), programs.CachedProgram
     return Compiled(key, cached(jax.jit(read), [device], ("device_read", plan, digest)),
                     cached(collective, list(mesh.devices.flat),
@@ -415,8 +414,6 @@ def _build(plan: Plan, verify: bool) -> Compiled:
 
 
 def _device_digest() -> str:
-    """The device's and the lowerings' sources (views, storage retyping, dtypes): with this
-    package's own (``programs``), what a cached device program depends on."""
     from tpudist.device._fused import _source_fingerprint
 
     return _source_fingerprint()
