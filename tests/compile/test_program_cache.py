@@ -222,6 +222,35 @@ def test_load_or_export_traces_once_and_skips_an_unreadable_module(tmp_path):
     assert program_cache.load_or_export("test", ("sin2", 3), export_fn, cache=cache).from_cache  # rewritten
 
 
+def test_load_or_compile_keeps_nested_outputs_and_needs_no_tracing_when_loaded(tmp_path):
+    """An executable with nested outputs (the device collectives' read program returns
+    ``(block, (pieces...))``) comes back from the cache with the same structure and values; a
+    program given as a factory is not even built when its executable is loaded."""
+    import jax
+    import numpy as np
+
+    cache = ProgramCache(tmp_path, max_bytes=1 << 24)
+    salt = float(int.from_bytes(os.urandom(2), "big"))  # a program JAX's own cache cannot hold yet
+    made = []
+
+    def make():
+        made.append(1)
+        return jax.jit(lambda a, bs: (a * 2 + salt, (a + bs[0], [a - bs[1]])))
+
+    x, y, z = (np.arange(4, dtype=np.float32) * k for k in (1, 2, 3))
+    args, devices = (x, (y, z)), jax.local_devices()[:1]
+    first = program_cache.load_or_compile("test", ("nested", salt), make, args, devices,
+                                          meta_fn=lambda: {"made": len(made)}, cache=cache)
+    second = program_cache.load_or_compile("test", ("nested", salt), make, args, devices, cache=cache)
+    assert [loaded for _, _, loaded in (first, second)] == [False, True] and len(made) == 1
+    assert second[1]["made"] == 1 and cache.stats.writes == 1 and cache.stats.hits == 1
+    want, got = first[0](*args), second[0](*args)
+    assert jax.tree.structure(got) == jax.tree.structure(want) == jax.tree.structure((0, (0, [0])))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(got[1][1][0]), x - z)
+
+
 # -- emulated hosts sharing one cache folder ------------------------------------------------------------
 # One "host": a fresh process with its own JAX runtime compiling a model's forward and backward with
 # the tpu backend, and a device-independent program through load_or_export (the fused path's use).
