@@ -403,12 +403,12 @@ def _build(plan: Plan, verify: bool) -> Compiled:
     sharding = NamedSharding(mesh, P(AXIS))
     fp_aval = core.ShapedArray((n * envelope.FP_WORDS,), np.int32)
     # XLA executables from tpudist's program cache (else compiled at the first call): the local
-    # programs keyed by the plan and this rank's device, the collective by what decides it and the
-    # group's devices, each also by the device's and lowerings' sources (views, retyping, dtypes).
+    # programs keyed by the plan and this rank's device, the collective (the same on every rank: see
+    # Compiled) by what decides it and the group's devices, all by the device's and lowerings' sources.
     device, digest, cached = runtime.current().local_device, _device_digest(), programs.CachedProgram
     return Compiled(key, cached(jax.jit(read), [device], ("device_read", plan, digest)),
                     cached(collective, list(mesh.devices.flat),
-                           ("device_collective", key, plan.me, verify, piece_avals, digest)),
+                           ("device_collective", key, verify, piece_avals, digest)),
                     cached(jax.jit(write), [device], ("device_write", plan, digest)),
                     piece_avals, fingerprint(key), sharding, device, fp_aval)
 
