@@ -21,16 +21,17 @@ import jax
 import numpy as np
 
 from tpudist.device import _runtime as rt
-from tpudist.device._core import Buffer, Lazy, result_of, tensor_over
+from tpudist.device._core import Buffer, Lazy, result_of
+from tpudist.device._storage import _ATTR, X64, _create_empty
 
 _CAP_ENV = "TPUDIST_FUSED_MAX_OPS"
+assert _ATTR == "_tpudist_buffer"  # record() sets the storage's buffer under this name
 _PROGRAMS: dict = {}
 
 
 class Graph:
     def __init__(self):
-        self.nodes: list = []      # (kernel, refs, scalar base)
-        self.sig: list = []        # (kernel id, refs): the structural key, built as ops are recorded
+        self.nodes: list = []      # (kernel, refs, scalar base): with the live values, the structural key
         self.inputs: list = []     # concrete jax.Arrays the program reads
         self.input_of: dict = {}   # id(array) -> input index
         self.scalars: list = []
@@ -71,7 +72,6 @@ def record(kernel, leaves, buffers, scalars):
     if scalars:
         g.scalars.extend(scalars)
     g.nodes.append((kernel, refs, base))
-    g.sig.append((kernel.id, refs))
     index = g.num_values
     written = g.written
     for slot in kernel.written_slots:
@@ -82,12 +82,13 @@ def record(kernel, leaves, buffers, scalars):
     fresh = []
     for shape, dtype, numel in kernel.outputs:
         b = Buffer(numel, dtype, Lazy(g, index))
-        fresh.append(tensor_over(b, shape))
+        t = _create_empty(shape, dtype)  # tensor_over, inlined: this runs for every output of every op
+        t.untyped_storage()._tpudist_buffer = b
+        fresh.append(t)
         written.append(weakref.ref(b))
         index += 1
     g.num_values = index
-    rt.stats["recorded_ops"] += 1
-    out = fresh[0] if kernel.returns[0] == "single" else result_of(kernel, leaves, fresh)
+    out = fresh[0] if kernel.single_result else result_of(kernel, leaves, fresh)
     if len(g.nodes) >= g.cap:
         flush()
     return out
@@ -165,6 +166,7 @@ def flush() -> None:
         if g is None:
             return
         _graph = None
+        rt.stats["recorded_ops"] += len(g.nodes)  # counted per graph, not per op (cache_stats adds the pending)
         t0 = time.perf_counter()
         live, bufs, seen = [], [], set()
         for w in g.written:
@@ -176,7 +178,7 @@ def flush() -> None:
                 seen.add(id(b))
                 live.append(v.index)
                 bufs.append(b)
-        key = (tuple(g.sig), tuple(live))
+        key = (tuple(g.nodes), tuple(live))  # kernels hash by identity: as their ids did
         rt.stats["graph_key_s"] += time.perf_counter() - t0
         sc = np.asarray(g.scalars, np.float64) if g.scalars else np.zeros((0,), np.float64)
         t1 = time.perf_counter()
@@ -186,8 +188,11 @@ def flush() -> None:
             if compiling:
                 program = _PROGRAMS[key] = _load_or_compile(g, live, sc)
                 rt.stats["programs"] += 1
-            with jax.enable_x64(True):
+            prev = X64.swap_local(True)
+            try:
                 outs = program(g.inputs, sc)
+            finally:
+                X64.set_local(prev)
         except Exception as e:
             ops = ", ".join(sorted({str(k.op) for k, _, _ in g.nodes}))
             for b in bufs:  # the values are lost; leave the storages unwritten rather than pending

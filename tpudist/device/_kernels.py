@@ -40,8 +40,9 @@ def is_view_op(op) -> bool:
 
 
 def view_kernel(op, *args, **kwargs):
-    with rt.LOCK:  # the handle's redispatch: OpOverload.redispatch is one more Python frame per view
-        return op._handle.redispatch_boxed(core.META, *args, **kwargs)  # noqa: SLF001
+    # the handle's redispatch: OpOverload.redispatch is one more Python frame per view. No lock: torch's
+    # Meta kernel makes a TensorImpl over the same storage and touches no device state
+    return op._handle.redispatch_boxed(core.META, *args, **kwargs)  # noqa: SLF001
 
 
 def execute_kernel(op, *args, **kwargs):

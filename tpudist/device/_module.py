@@ -397,6 +397,7 @@ def cache_stats() -> dict:
              "readers": 0, "compile_s": 0.0, "graph_key_s": 0.0}
     stats.update(rt.stats)
     stats["pending_ops"] = _fused.pending_ops()
+    stats["recorded_ops"] += stats["pending_ops"]  # the graph counts its ops when it runs
     stats["cpu_fallback_ops"] = dict(rt.fallback_ops)
     stats["mode"] = rt.get_mode()
     return stats
