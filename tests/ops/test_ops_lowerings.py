@@ -122,6 +122,14 @@ DIRECT += [(aten.native_group_norm_backward.default,
             (_GN_DY, _GN_X, _GN_MEAN, _GN_RSTD, _GN_W, 3, 6, 7, 3, [True, True, True]), {}),
            (aten.native_group_norm_backward.default,
             (_GN_DY, _GN_X, _GN_MEAN, _GN_RSTD, None, 3, 6, 7, 3, [True, False, False]), {})]
+# cdist/pdist backwards where a distance is 0 (``cdist(x, x)``'s diagonal, a repeated row): torch's
+# kernels give 0 there, the vjp of the forward gave NaN
+_CD_X = _t(4, 3)
+_CD_Y = torch.cat([_CD_X[:2], _t(2, 3)])
+_PD_X = torch.cat([_CD_X, _CD_X[:1]])
+for _p in (0.5, 1.0, 2.0, 3.0, math.inf):
+    DIRECT += [(aten._cdist_backward.default, (_t(4, 4), _CD_X, _CD_Y, _p, torch.cdist(_CD_X, _CD_Y, _p)), {}),
+               (aten._pdist_backward.default, (_t(10), _PD_X, _p, torch.pdist(_PD_X, _p)), {})]
 
 
 def _id(case):

@@ -179,16 +179,37 @@ def pdist_forward(x, p=2):
     return _pnorm(upcast(x)[rows] - upcast(x)[cols], p)
 
 
+def _pnorm_backward(diff, grad, dist, p):
+    """d||diff||_p / d diff times ``grad``, per pair, as torch's CPU kernels define it
+    (aten/src/ATen/native/cpu/DistanceOpsKernel.cpp): 0 where the distance is 0. The vjp of the forward
+    gives NaN there (x / 0 for p = 2), which every ``cdist(x, x)`` has on its diagonal."""
+    grad, dist = grad[..., None], dist[..., None]
+    if p == 0:
+        return jnp.zeros_like(diff)
+    if p == 1:
+        return jnp.sign(diff) * grad
+    if p == math.inf:
+        return jnp.where(jnp.abs(diff) == dist, jnp.sign(diff) * grad, 0)
+    if p == 2:
+        return jnp.where(dist == 0, 0, grad * diff / dist)
+    if p < 2:
+        out = jnp.where(dist == 0, 0, jnp.sign(diff) * jnp.abs(diff) ** (p - 1) * grad / dist ** (p - 1))
+        return jnp.where((diff == 0) & (p < 1), 0, out)
+    return jnp.where(dist == 0, 0, diff * jnp.abs(diff) ** (p - 2) * grad / dist ** (p - 1))
+
+
 @lowers(aten._cdist_backward.default)
 def cdist_backward(grad, x1, x2, p, cdist):
-    _, vjp = jax.vjp(lambda a: cdist_forward(a, x2, p), upcast(x1))
-    return vjp(upcast(grad))[0]
+    diff = upcast(x1)[..., :, None, :] - upcast(x2)[..., None, :, :]
+    return jnp.sum(_pnorm_backward(diff, upcast(grad), upcast(cdist), p), axis=-2)
 
 
 @lowers(aten._pdist_backward.default)
 def pdist_backward(grad, x, p, pdist):
-    _, vjp = jax.vjp(lambda a: pdist_forward(a, p), upcast(x))
-    return vjp(upcast(grad))[0]
+    rows, cols = np.triu_indices(x.shape[0], k=1)
+    x = upcast(x)
+    pair = _pnorm_backward(x[rows] - x[cols], upcast(grad), upcast(pdist), p)
+    return jnp.zeros_like(x).at[rows].add(pair).at[cols].add(-pair)
 
 
 # -- padding backwards: the vjp of the forward, which runs through the table (its decomposition) ------
