@@ -150,6 +150,10 @@ def eye(n, m=None, *, dtype=None, **_placement):
 @lowers(aten._local_scalar_dense.default)
 def local_scalar_dense(x):
     if isinstance(x, jax.core.Tracer):
-        raise NotImplementedError("aten._local_scalar_dense (Tensor.item()) needs a concrete value and cannot run "
-                                  "inside jax.jit; it is a sync point: the caller must run the program first")
+        # JAX's own error for a traced value used as a Python one: the device then rebuilds the op with
+        # its float arguments as constants (torch's norm decomposition calls p.item() on a float p
+        # that the device passed in as a program input: F.pairwise_distance, triplet_margin_loss)
+        raise jax.errors.ConcretizationTypeError(
+            x, "aten._local_scalar_dense (Tensor.item()) needs a concrete value and cannot run inside jax.jit; "
+               "it is a sync point: the caller must run the program first")
     return np.asarray(x).item()
