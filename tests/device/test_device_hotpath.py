@@ -39,6 +39,8 @@ def _cases():
         ("list argument", lambda t: torch.cat([t["a"], t["b"]], dim=1)),
         ("keyword argument", lambda t: torch.sum(t["a"], dim=0, keepdim=True)),
         ("several outputs", lambda t: torch.max(t["a"], dim=1)),
+        # a foreach op's fresh results: a flat list (built without torch's pytree)
+        ("list of results", lambda t: tuple(torch._foreach_sqrt([t["a"].abs(), t["b"].abs()]))),
         ("in-place on a view", lambda t: t["a"].clone()[1:].add_(t["b"][1:], alpha=0.5)),
         ("out=", lambda t: torch.mul(t["a"], t["b"], out=torch.empty_like(t["a"]))),
         ("dtype", lambda t: (t["a"] > 0).to(torch.float32) + t["i"]),
@@ -104,18 +106,19 @@ def _repeated_add_counts():
         for _ in range(50):
             z = z + y
         pending = _fused.pending_ops()
+        recorded_before_sync = torch.tpu.cache_stats()["recorded_ops"] - before["recorded_ops"]
         value = z.cpu()
         after = torch.tpu.cache_stats()
     want = x.cpu() + y.cpu()
     for _ in range(50):
         want = want + y.cpu()
-    return pending, {k: after[k] - before[k] for k in ("kernels", "hits", "misses", "recorded_ops", "syncs")}, \
-        value, want
+    counts = {k: after[k] - before[k] for k in ("kernels", "hits", "misses", "recorded_ops", "syncs")}
+    return (pending, recorded_before_sync), counts, value, want
 
 
 def test_fused_records_a_chain_of_hits(dev):
-    pending, counts, value, want = dev(_repeated_add_counts)
-    assert pending == 50
+    (pending, recorded_before_sync), counts, value, want = dev(_repeated_add_counts)
+    assert pending == 50 and recorded_before_sync == 50  # cache_stats counts the ops still pending
     assert counts == {"kernels": 0, "hits": 50, "misses": 0, "recorded_ops": 50, "syncs": 1}, counts
     torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5)
 
