@@ -130,6 +130,13 @@ _PD_X = torch.cat([_CD_X, _CD_X[:1]])
 for _p in (0.5, 1.0, 2.0, 3.0, math.inf):
     DIRECT += [(aten._cdist_backward.default, (_t(4, 4), _CD_X, _CD_Y, _p, torch.cdist(_CD_X, _CD_Y, _p)), {}),
                (aten._pdist_backward.default, (_t(10), _PD_X, _p, torch.pdist(_PD_X, _p)), {})]
+# bf16 convolution backwards (autocast CNN training): _conv accumulates in float32, and the vjp refused
+# a bf16 cotangent for its float32 result
+_CV_X, _CV_W = _t(2, 3, 6, 6, dtype=torch.bfloat16), _t(4, 3, 3, 3, dtype=torch.bfloat16, low=-1, high=1)
+DIRECT += [(aten.convolution_backward.default, (_t(2, 4, 3, 3, dtype=torch.bfloat16), _CV_X, _CV_W, [4], [2, 2],
+                                                [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]), {}),
+           (aten.convolution_backward.default, (_t(2, 3, 6, 6, dtype=torch.bfloat16), _CV_X, _CV_W[:3, :1], [3],
+                                                [1, 1], [1, 1], [1, 1], False, [0, 0], 3, [True, True, False]), {})]
 
 
 def _id(case):

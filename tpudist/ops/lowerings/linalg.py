@@ -100,8 +100,10 @@ def convolution_backward(grad_output, x, weight, bias_sizes, stride, padding, di
     def forward(x, weight):
         return _conv(x, weight, None, stride, padding, dilation, transposed, output_padding, groups)
 
-    _, vjp = jax.vjp(forward, x, weight)
-    grad_x, grad_w = vjp(grad_output.astype(jnp.result_type(x, weight)))
+    out, vjp = jax.vjp(forward, x, weight)
+    # bf16/fp16 convolutions accumulate in float32 (_conv's preferred_element_type): the cotangent takes
+    # the forward's result dtype, the gradients come back in the inputs' dtypes
+    grad_x, grad_w = vjp(grad_output.astype(out.dtype))
     nd = x.ndim - 2
     grad_b = jnp.sum(grad_output, axis=(0, *range(2, 2 + nd))) if output_mask[2] else None
     return (grad_x if output_mask[0] else None, grad_w if output_mask[1] else None, grad_b)
