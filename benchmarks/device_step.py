@@ -8,8 +8,9 @@ and backward through ``torch.compile(backend="tpu")``, AdamW in Fused mode); eac
 training step (forward, backward, AdamW, ``loss.item()``) of each, in a rotating order, so machine
 noise hits all alike. Printed: median step times and their ratios, the Strict per-op overhead
 (a 64x64 add through the device minus the same add as a bare ``jax.jit`` call), Fused recording cost
-per op, the graph-key cost per sync as a share of the step, and compile times of the Fused step with
-a cold and a warm persistent cache (two fresh child processes sharing a new cache directory).
+per op (the add, and ``F.linear``: a view and an addmm), the graph-key cost per sync as a share of
+the step, and compile times of the Fused step with a cold and a warm persistent cache (two fresh
+child processes sharing a new cache directory).
 
 Targets (issue #28): Fused recording <= 6 us per op, Strict overhead <= 6 us per op (both on the
 calling thread's CPU time, which machine load does not inflate), Fused >= 2x Strict, Fused step <=
@@ -141,6 +142,7 @@ def per_op_costs() -> dict:
     from tpudist.device import _core, _fused
 
     x, y = torch.randn(64, 64, device="tpu"), torch.randn(64, 64, device="tpu")
+    w, b = torch.randn(64, 64, device="tpu"), torch.randn(64, device="tpu")
     bare = jax.jit(lambda u, v: u + v)
     ax, ay = _core.buffer_of(x).value.reshape(64, 64), _core.buffer_of(y).value.reshape(64, 64)
     xc, yc = x.cpu(), y.cpu()
@@ -170,6 +172,12 @@ def per_op_costs() -> dict:
                     z = x + y
                 record(mode, time.perf_counter() - t0, time.thread_time() - c0, count)
                 assert mode != "fused" or _fused.pending_ops() == count
+                if mode == "fused":  # F.linear: a view (w.t()) and an addmm
+                    torch.tpu.synchronize()
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    for _ in range(count):
+                        z = F.linear(x, w, b)
+                    record("fused_linear", time.perf_counter() - t0, time.thread_time() - c0, count)
             del z
             torch.tpu.synchronize()
     med = {k: statistics.median(v) for k, v in results.items()}
@@ -182,6 +190,7 @@ def where_fused_time_goes(model, opt, batches, top: int = 8) -> None:
     """A Fused step split into host time in the device's op kernel (per aten op), the program run at
     the sync points (compute included) and the rest (torch's autograd and dispatch, module code,
     view ops). Timed by wrapping the kernel's entry point for a few steps after the timed rounds."""
+    import gc
     from collections import Counter
 
     from tpudist.device import _core, _fused
@@ -212,7 +221,16 @@ def where_fused_time_goes(model, opt, batches, top: int = 8) -> None:
         finally:
             total["<read to the host>"] += clock() - t0
 
+    gc_time = {"total": 0.0, "start": 0.0}
+
+    def on_gc(phase, info):  # Python's cyclic GC, charged to whichever op allocates past the threshold
+        if phase == "start":
+            gc_time["start"] = clock()
+        else:
+            gc_time["total"] += clock() - gc_time["start"]
+
     _core.execute, _fused.flush, _core.to_cpu = timed_execute, timed_flush, timed_to_cpu
+    gc.callbacks.append(on_gc)
     try:
         t0 = clock()
         for x, y in batches:
@@ -220,6 +238,7 @@ def where_fused_time_goes(model, opt, batches, top: int = 8) -> None:
         step = (clock() - t0) / len(batches)
     finally:
         _core.execute, _fused.flush, _core.to_cpu = execute, flush, to_cpu
+        gc.callbacks.remove(on_gc)
     n = len(batches)
     sync = total.pop("<sync: program run>", 0.0) / n
     read = total.pop("<read to the host>", 0.0) / n
@@ -229,6 +248,8 @@ def where_fused_time_goes(model, opt, batches, top: int = 8) -> None:
           f"({ops / max(num_ops, 1) * 1e6:.1f} us/op), program dispatch at syncs {sync * 1e3:.2f} ms, loss.item() "
           f"(waits for the program) {read * 1e3:.2f} ms, the rest (torch's autograd and dispatch, module code, "
           f"view ops, inputs to the device) {(step - ops - sync - read) * 1e3:.2f} ms")
+    print(f"    Python's cyclic GC {gc_time['total'] / n * 1e3:.2f} ms/step, inside the time of the op (or other "
+          "code) that allocates past gc's threshold: the same op each step, as the allocations repeat")
     for name, t in total.most_common(top):
         print(f"    {name:<36} {calls[name] / n:5.0f}/step {t / calls[name] * 1e6:7.1f} us/call "
               f"{t / n * 1e3:6.2f} ms/step")
