@@ -1,0 +1,222 @@
+"""SDPA as one op on the device, and growing KV caches that compile per capacity, not per token.
+
+Every value is compared with CPU eager; compile counts are asserted, never times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import tpudist.device  # noqa: F401  (installs the "tpu" device)
+from tpudist.device import _attention, buckets
+
+MODES = ("strict", "fused")
+
+
+@pytest.fixture
+def mode(request):
+    previous = torch.tpu.get_eager_mode()
+    torch.tpu.set_eager_mode(request.param)
+    yield request.param
+    torch.tpu.set_eager_mode(previous)
+
+
+def _compiled() -> int:
+    stats = torch.tpu.cache_stats()
+    return stats["programs"] + stats["kernels"]
+
+
+def _sdpa_and_grads(device, q, k, v, mask=None, **kw):
+    leaves = [t.detach().to(device).requires_grad_() for t in (q, k, v)]
+    mask = mask.to(device) if mask is not None else None
+    out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, **kw)
+    weight = torch.linspace(-1, 1, out.numel(), device=device).reshape(out.shape)
+    (out * weight).sum().backward()
+    return [t.detach().cpu() for t in (out, *(leaf.grad for leaf in leaves))]
+
+
+CASES = [  # (batch, heads, kv heads, query length, key length, head dim), causal, mask, enable_gqa
+    (shape, causal, mask, gqa)
+    for shape, causal, mask, gqa in itertools.product(
+        [(2, 4, 4, 3, 5, 8), (1, 4, 2, 1, 7, 16), (2, 2, 2, 6, 6, 4)], [False, True],
+        [None, "bool", "float", "row_fully_masked"], [False, True])
+    if (shape[1] == shape[2] or gqa) and not (causal and mask)
+]
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_sdpa_runs_as_one_op_and_matches_cpu(mode):
+    torch.manual_seed(0)
+    before = dict(_attention.STATS)
+    for (b, h, hk, lq, lk, e), causal, mask_kind, gqa in CASES:
+        q, k, v = torch.randn(b, h, lq, e), torch.randn(b, hk, lk, e), torch.randn(b, hk, lk, e)
+        mask = None
+        if mask_kind in ("bool", "row_fully_masked"):
+            mask = torch.rand(b, 1, lq, lk) > 0.3
+            if mask_kind == "row_fully_masked":
+                mask[:, :, 0] = False  # torch gives 0 for a row with nothing to attend to
+        elif mask_kind == "float":
+            mask = torch.randn(1, h, lq, lk)
+        want = _sdpa_and_grads("cpu", q, k, v, mask, is_causal=causal, enable_gqa=gqa)
+        got = _sdpa_and_grads("tpu", q, k, v, mask, is_causal=causal, enable_gqa=gqa)
+        for name, w, g in zip(("out", "dq", "dk", "dv"), want, got):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=2e-6, msg=f"{name} {(b, h, hk, lq, lk, e)} {causal} "
+                                                                      f"{mask_kind} {gqa}")
+    assert _attention.STATS["fused"] - before["fused"] == len(CASES)
+    assert _attention.STATS["math"] == before["math"]
+
+
+def test_sdpa_bf16_matches_cpu():
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 5, 16, dtype=torch.bfloat16) for _ in range(3))
+    want = _sdpa_and_grads("cpu", q, k, v, is_causal=True)
+    got = _sdpa_and_grads("tpu", q, k, v, is_causal=True)
+    for w, g in zip(want, got):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+
+
+def test_sdpa_takes_torch_math_path_where_the_fused_op_does_not_apply():
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 4, 8) for _ in range(3))
+    # a mask that needs a gradient (a learned bias): torch's MATH decomposition, its gradient included
+    bias = torch.randn(1, 3, 4, 4)
+    grads = {}
+    for device in ("cpu", "tpu"):
+        leaf = bias.to(device).detach().requires_grad_()
+        math_before = _attention.STATS["math"]
+        F.scaled_dot_product_attention(q.to(device), k.to(device), v.to(device), attn_mask=leaf).pow(2).sum().backward()
+        grads[device] = leaf.grad.cpu()
+    assert _attention.STATS["math"] == math_before + 1
+    torch.testing.assert_close(grads["tpu"], grads["cpu"], rtol=1e-5, atol=1e-6)
+    # 3-d inputs and dropout: MATH too (dropout's mask must be replayed by autograd, as torch does)
+    math_before = _attention.STATS["math"]
+    keep = torch.rand(3, 4, 4) > 0.4  # a bool mask on the MATH path masks (it is not added as 1.0/0.0)
+    out = F.scaled_dot_product_attention(q[0].to("tpu"), k[0].to("tpu"), v[0].to("tpu"), attn_mask=keep.to("tpu"))
+    torch.testing.assert_close(out.cpu(), F.scaled_dot_product_attention(q[0], k[0], v[0], attn_mask=keep),
+                               rtol=1e-5, atol=1e-6)
+    dropped = F.scaled_dot_product_attention(q.to("tpu"), k.to("tpu"), v.to("tpu"), dropout_p=0.5)
+    assert torch.isfinite(dropped.cpu()).all()
+    assert _attention.STATS["math"] == math_before + 2
+    # traced by torch.compile (FakeTensors: the MATH path), a bool mask still masks
+    compiled = torch.compile(lambda *a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3]), backend="tpu")
+    keep4 = torch.rand(2, 1, 4, 4) > 0.4
+    torch.testing.assert_close(compiled(q.to("tpu"), k.to("tpu"), v.to("tpu"), keep4.to("tpu")).cpu(),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=keep4), rtol=1e-5, atol=1e-6)
+    # sdpa_kernel(MATH) is honoured, and with it a double backward works as on CPU
+    grads = {}
+    for device in ("cpu", "tpu"):
+        qd = q.to(device).detach().requires_grad_()
+        with sdpa_kernel(SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(qd, k.to(device), v.to(device))
+        (g,) = torch.autograd.grad(out.pow(2).sum(), qd, create_graph=True)
+        (gg,) = torch.autograd.grad(g.pow(2).sum(), qd)
+        grads[device] = gg.cpu()
+    torch.testing.assert_close(grads["tpu"], grads["cpu"], rtol=1e-4, atol=1e-5)
+    # the fused op's double backward (a gradient penalty) equals CPU's MATH one (CPU's flash kernel has
+    # no double backward)
+    grads = {}
+    for device in ("cpu", "tpu"):
+        qd, kd = q.to(device).detach().requires_grad_(), k.to(device).detach().requires_grad_()
+        fused_before = _attention.STATS["fused"]
+        with sdpa_kernel(SDPBackend.MATH) if device == "cpu" else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(qd, kd, v.to(device), is_causal=True)
+        g = torch.autograd.grad(out.pow(2).sum(), (qd, kd), create_graph=True)
+        grads[device] = [t.cpu() for t in torch.autograd.grad(g[0].pow(2).sum() + g[1].sum(), (qd, kd))]
+    assert _attention.STATS["fused"] == fused_before + 1  # the tpu pass (the CPU one counts nothing)
+    for got, want in zip(grads["tpu"], grads["cpu"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+@pytest.mark.parametrize("chunk", [1, 2], ids=["token", "chunk_of_2"])
+def test_growing_kv_cache_compiles_per_capacity(mode, chunk):
+    """A hand-written dynamic cache: ``cat`` new keys/values at dim 2, attend over all of them."""
+    previous = buckets.set_growth(buckets.Growth(multiple=8, max_buckets=2, per_octave=2))
+    try:
+        torch.manual_seed(3 + chunk)
+        steps = 14
+        new_k = torch.randn(steps, 2, 2, chunk, 8)
+        new_v = torch.randn(steps, 2, 2, chunk, 8)
+        queries = torch.randn(steps, 2, 4, chunk, 8)
+        caches = {"cpu": [torch.randn(2, 2, 3, 8)] * 2}
+        caches["tpu"] = [t.to("tpu") for t in caches["cpu"]]
+        compiled, outs = [], {"cpu": [], "tpu": []}
+        for step in range(steps):
+            before = _compiled()
+            for device, (k, v) in caches.items():
+                k = torch.cat([k, new_k[step].to(device)], dim=2)
+                v = torch.cat([v, new_v[step].to(device)], dim=2)
+                caches[device] = [k, v]
+                out = F.scaled_dot_product_attention(queries[step].to(device), k, v, is_causal=chunk > 1,
+                                                     enable_gqa=True)
+                outs[device].append(out.cpu())
+            compiled.append(_compiled() - before)
+    finally:
+        buckets.set_growth(previous)
+    k, v = caches["tpu"]
+    assert k.shape == (2, 2, 3 + steps * chunk, 8)
+    torch.testing.assert_close(k.cpu(), caches["cpu"][0], rtol=0, atol=0)
+    torch.testing.assert_close(v.cpu(), caches["cpu"][1], rtol=0, atol=0)
+    for step, (want, got) in enumerate(zip(outs["cpu"], outs["tpu"])):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+    # lengths 3 + chunk * (step + 1); capacities 8, 16, then 24, 32. Past the first appends (an ordinary
+    # cat, then the first into a capacity) only a step that reaches a new capacity compiles
+    lengths = [3 + chunk * (s + 1) for s in range(steps)]
+    new_capacity = {s for s in range(1, steps) if buckets.Growth(8, 2, 2).capacity_for(lengths[s])
+                    != buckets.Growth(8, 2, 2).capacity_for(lengths[s - 1])}
+    assert {s for s, n in enumerate(compiled) if n and s >= 3} <= new_capacity | {s + 1 for s in new_capacity}, \
+        compiled
+
+
+def _hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_hf_default_dynamic_cache_generate_compiles_once(mode):
+    pytest.importorskip("transformers", reason="Hugging Face generate needs transformers (optional extra)")
+    model = _hf_llama()
+    torch.manual_seed(1)
+    prompts = {1: torch.randint(1, 64, (1, 5)), 2: torch.randint(1, 64, (2, 5))}
+    kwargs = dict(do_sample=False, pad_token_id=0)
+    reference = {b: model.generate(p, max_new_tokens=24, min_new_tokens=24, **kwargs) for b, p in prompts.items()}
+    model.to("tpu")
+    for batch, prompt in prompts.items():
+        short = model.generate(prompt.to("tpu"), max_new_tokens=6, min_new_tokens=6, **kwargs)
+        assert torch.equal(short.cpu(), reference[batch][:, :11])
+        before = _compiled()
+        tokens = model.generate(prompt.to("tpu"), max_new_tokens=24, min_new_tokens=24, **kwargs)
+        assert torch.equal(tokens.cpu(), reference[batch])
+        assert _compiled() == before, f"batch {batch}: 24 new tokens compiled what 6 did not"
+
+
+def test_hf_padded_batch_and_beam_search_match_cpu():
+    """Left padding gives attention a mask as long as the cache (not padded: exact shapes), beam search
+    reorders the cache: both must still give CPU's tokens."""
+    pytest.importorskip("transformers", reason="Hugging Face generate needs transformers (optional extra)")
+    model = _hf_llama()
+    torch.manual_seed(2)
+    ids = torch.randint(1, 64, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    ids[0, :2], mask[0, :2] = 0, 0
+    greedy = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    beams = dict(attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **greedy), model.generate(ids, **beams)
+    model.to("tpu")
+    on_device = lambda kw: {**kw, "attention_mask": mask.to("tpu")}  # noqa: E731
+    with torch.tpu.eager_mode("fused"):
+        got = (model.generate(ids.to("tpu"), **on_device(greedy)), model.generate(ids.to("tpu"), **on_device(beams)))
+    assert torch.equal(got[0].cpu(), want[0])
+    assert torch.equal(got[1].cpu(), want[1])
