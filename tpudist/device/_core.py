@@ -880,16 +880,38 @@ def result_of(kernel, leaves, fresh_tensors):
 # -- execution ---------------------------------------------------------------------------------------
 
 _CAT = aten.cat.default
+_GROWING_OPS = (_CAT, aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
+def _grown(mode, op, args, kwargs):
+    """A cat or an attention at a place where a tensor grows (token ids, a KV cache), or None."""
+    from tpudist.device import _grow
+
+    if op is _CAT:
+        append = _append_for(args, kwargs)
+        if append is not None:
+            kernel, leaves, buffers, scalars, shape = append
+            return _with_shape(_dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars), shape)
+        append = _grow.append_for(args, kwargs)
+        if append is not None:
+            kernel, leaves, buffers, scalars, shape, strides = append
+            flat = _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars)
+            return _grow.strided_over(flat, shape, strides)
+        return None
+    attention = _grow.attention_for(args, kwargs)
+    if attention is None:
+        return None
+    kernel, leaves, buffers, scalars = attention
+    return _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars)
 
 
 def execute(op, args, kwargs):
     """Run one non-view op on tpu tensors in the current eager mode."""
     mode = rt.get_mode()
-    if op is _CAT and rt.dynamic_scalars():
-        append = _append_for(args, kwargs)
-        if append is not None:
-            kernel, leaves, buffers, scalars, shape = append
-            return _with_shape(_dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars), shape)
+    if op in _GROWING_OPS and rt.dynamic_scalars():
+        grown = _grown(mode, op, args, kwargs)
+        if grown is not None:
+            return grown
     try:
         kernel, leaves, buffers, scalars = kernel_for(op, args, kwargs)
     except _DataDependent:

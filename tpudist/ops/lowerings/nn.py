@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from tpudist.ops.lowerings._util import dim_of, is_zero, to_float, upcast
+from tpudist.ops.lowerings._util import dim_of, to_float, upcast
 from tpudist.ops.registry import lowers
 from tpudist.ops.rng import next_key
 
@@ -433,7 +433,9 @@ def _attention(q, k, v, attn_mask, is_causal, scale, dropout_p=0.0, key=None):
 
 @lowers(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def sdpa_flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    key = None if is_zero(dropout_p) else next_key()
+    # float() of a traced dropout_p raises JAX's concretization error: the device then compiles the op
+    # with its floats as constants, so p == 0 draws no key (as CPU's kernel draws none)
+    key = None if float(dropout_p) == 0 else next_key()
     out, lse = _attention(q, k, v, attn_mask, is_causal, scale, dropout_p, key)
     return out, lse.astype(jnp.float32)
 
@@ -441,7 +443,7 @@ def sdpa_flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, s
 @lowers(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 def sdpa_flash_cpu_backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
                             scale=None):
-    if not is_zero(dropout_p):
+    if float(dropout_p) != 0:  # float(): as in the forward
         raise NotImplementedError("the flash-attention backward with dropout_p > 0 cannot replay the forward's "
                                   "dropout mask; trace SDPA under the MATH backend "
                                   "(torch.nn.attention.sdpa_kernel(SDPBackend.MATH))")
