@@ -111,6 +111,11 @@ class Kernel:
     def _run(self, arrays, sc):
         return self.trace(arrays, sc)
 
+    def storages(self, arrays):
+        """The flat storages the kernel reads: ``arrays``, with zeros for a storage never written."""
+        return [a if a is not None else jnp.zeros((numel,), tops.to_jax_dtype(dtype))
+                for a, (numel, dtype) in zip(arrays, self.slots)]
+
     def discover(self, arrays, sc):
         """Abstract results of an op torch has no meta kernel for: the outputs' shapes and structure."""
         self.fresh = ()
@@ -122,8 +127,7 @@ class Kernel:
         return flat
 
     def trace(self, arrays, sc, base=0, raw=False):
-        flats = [a if a is not None else jnp.zeros((numel,), tops.to_jax_dtype(dtype))
-                 for a, (numel, dtype) in zip(arrays, self.slots)]
+        flats = self.storages(arrays)
         leaves = []
         for spec in self.leaf_specs:
             kind = spec[0]
@@ -793,8 +797,7 @@ class _Append(Kernel):
         return f"Append(capacity={self.capacity})"
 
     def trace(self, arrays, sc, base=0, raw=False):
-        flats = [a if a is not None else jnp.zeros((numel,), tops.to_jax_dtype(dtype))
-                 for a, (numel, dtype) in zip(arrays, self.slots)]
+        flats = self.storages(arrays)
         _, slot, sizes, strides, offset, dtype = self.b_spec
         want = tops.to_jax_dtype(dtype)
         tail = views.read_as(flats[slot], sizes, strides, offset, want).reshape(-1)

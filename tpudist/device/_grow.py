@@ -73,6 +73,17 @@ def capacity_of(t: torch.Tensor, d: int):
     return capacity
 
 
+def _kernel(key, build):
+    """The kernel cached under ``key``, built on a miss (counted as the device's other kernels are)."""
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        rt.stats["misses"] += 1
+        kernel = _KERNELS[key] = build()
+    else:
+        rt.stats["hits"] += 1
+    return kernel
+
+
 def _spec(t, slot):
     sizes = tuple(t.shape)
     strides = tuple(0 if n == 1 else s for n, s in zip(sizes, t.stride()))
@@ -96,8 +107,7 @@ class _GrowingAppend(Kernel):
         return f"GrowingAppend(capacity={self.capacity})"
 
     def trace(self, arrays, sc, base=0, raw=False):
-        flats = [a if a is not None else jnp.zeros((numel,), tops.to_jax_dtype(dtype))
-                 for a, (numel, dtype) in zip(arrays, self.slots)]
+        flats = self.storages(arrays)
         _, b_slot, b_sizes, b_strides, b_offset, dtype = self.b_spec
         want = tops.to_jax_dtype(dtype)
         tail = views.read_as(flats[b_slot], b_sizes, b_strides, b_offset, want).reshape(self.outer, -1, self.inner)
@@ -165,12 +175,7 @@ def append_for(args, kwargs):
     if site not in _GREW:
         _GREW.add(site)
         rt.stats["growing_tensors"] += 1
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        rt.stats["misses"] += 1
-        kernel = _KERNELS[key] = _GrowingAppend(slots, a_spec, a_capacity, b_spec, outer, capacity, inner, a.dtype)
-    else:
-        rt.stats["hits"] += 1
+    kernel = _kernel(key, lambda: _GrowingAppend(slots, a_spec, a_capacity, b_spec, outer, capacity, inner, a.dtype))
     shape = list(a.shape)
     shape[d] = length
     return kernel, [a, b], buffers, [a.shape[d]], tuple(shape), _capacity_strides(shape, d, capacity)
@@ -204,8 +209,7 @@ class _PaddedAttention(Kernel):
         return f"PaddedAttention(capacity={self.capacity})"
 
     def trace(self, arrays, sc, base=0, raw=False):
-        flats = [a if a is not None else jnp.zeros((numel,), tops.to_jax_dtype(dtype))
-                 for a, (numel, dtype) in zip(arrays, self.slots)]
+        flats = self.storages(arrays)
         _, slot, sizes, strides, offset, dtype = self.q_spec
         q = views.read_as(flats[slot], sizes, strides, offset, tops.to_jax_dtype(dtype))
         (k_slot, k_shape), (v_slot, v_shape) = self.kv_slots
@@ -245,11 +249,6 @@ def attention_for(args, kwargs):
     scale = kwargs.get("scale")
     key = ("attention", tuple(slots), tuple(buf.value is None for buf in buffers), q_spec, kv_slots, bool(is_causal),
            scale)
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        rt.stats["misses"] += 1
-        kernel = _KERNELS[key] = _PaddedAttention(slots, q_spec, kv_slots, k_capacity, bool(is_causal), scale,
-                                                  tuple(q.shape), q.dtype)
-    else:
-        rt.stats["hits"] += 1
+    kernel = _kernel(key, lambda: _PaddedAttention(slots, q_spec, kv_slots, k_capacity, bool(is_causal), scale,
+                                                   tuple(q.shape), q.dtype))
     return kernel, [q, k, v], buffers, [k.shape[2]]
