@@ -703,6 +703,7 @@ def run_all_cases():
         test_assertions_raise_as_torch_does_concrete_and_traced(op, failing, passing, message)
     _run_nn_extra_cases()
     _run_resample_and_counting_cases()
+    _run_fused_optimizer_cases()
 
 
 # -- a Llama-style training step ------------------------------------------------------------------
@@ -1259,3 +1260,60 @@ def _run_resample_and_counting_cases():
         test_upsample_vec_overloads_match_cpu(case)
     for case in _COUNTING:
         test_counting_ops_match_cpu(case)
+
+
+# -- fused SGD and Adagrad (torch.optim's fused=True on the device) --------------------------------
+
+_FUSED_OPTIONS = [dict(), dict(maximize=True), dict(grad_scale=True), dict(found_inf=True), dict(tensor_lr=True)]
+
+
+@pytest.mark.parametrize("momentum,first,nesterov", [(0.0, False, False), (0.9, True, False), (0.9, False, False),
+                                                     (0.9, False, True)], ids=["plain", "first", "momentum",
+                                                                               "nesterov"])
+@pytest.mark.parametrize("options", _FUSED_OPTIONS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_sgd_matches_cpu(momentum, first, nesterov, options, dtype):
+    """aten._fused_sgd_ (SGD(fused=True)) against CPU's kernel, and its grads/momentum buffers written back."""
+    shapes = [(5, 3), (7,)]
+    params, grads = ([_t(*s).to(dtype) for s in shapes] for _ in range(2))
+    bufs = [_t(*s).to(dtype) for s in shapes] if momentum else []
+    kwargs = dict(weight_decay=0.1, momentum=momentum, lr=torch.tensor(0.05) if options.get("tensor_lr") else 0.05,
+                  dampening=0.0 if nesterov else 0.2, nesterov=nesterov, maximize=options.get("maximize", False),
+                  is_first_step=first, grad_scale=torch.tensor(4.0) if options.get("grad_scale") else None,
+                  found_inf=torch.tensor(1.0) if options.get("found_inf") else None)
+    expected = [[t.clone() for t in group] for group in (params, grads, bufs)]
+    torch._fused_sgd_(*expected, **kwargs)
+    functional = aten._fused_sgd.tensor_lr if options.get("tensor_lr") else aten._fused_sgd.default
+    actual = run_on_jax(functional, params, grads, bufs, jit=True, **kwargs)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    assert compare([*expected[0], *expected[1], *expected[2]], [*actual[0], *actual[1], *actual[2]], **tol) is None
+
+
+@pytest.mark.parametrize("options", _FUSED_OPTIONS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_adagrad_matches_cpu(options, dtype):
+    """aten._fused_adagrad_ (Adagrad(fused=True)) against CPU's kernel at step 3 with lr_decay."""
+    shapes = [(5, 3), (7,)]
+    params, grads = ([_t(*s).to(dtype) for s in shapes] for _ in range(2))
+    sums = [_t(*s).to(dtype).abs() for s in shapes]
+    steps = [torch.tensor(3.0) for _ in shapes]
+    kwargs = dict(lr=torch.tensor(0.05) if options.get("tensor_lr") else 0.05, lr_decay=0.1, weight_decay=0.1,
+                  eps=1e-10, maximize=options.get("maximize", False),
+                  grad_scale=torch.tensor(4.0) if options.get("grad_scale") else None,
+                  found_inf=torch.tensor(1.0) if options.get("found_inf") else None)
+    expected = [[t.clone() for t in group] for group in (params, grads, sums, steps)]
+    torch._fused_adagrad_(*expected, **kwargs)
+    functional = aten._fused_adagrad.tensor_lr if options.get("tensor_lr") else aten._fused_adagrad.default
+    actual = run_on_jax(functional, params, grads, sums, steps, jit=True, **kwargs)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    assert compare([t for group in expected[:3] for t in group], [t for group in actual[:3] for t in group],
+                   **tol) is None
+    if not options.get("tensor_lr"):  # the .default overload returns the steps, unchanged
+        assert compare(expected[3], list(actual[3])) is None
+
+
+def _run_fused_optimizer_cases():
+    """One case of each fused SGD/Adagrad lowering overload, for run_all_cases."""
+    for options in (dict(), dict(tensor_lr=True)):
+        test_fused_sgd_matches_cpu(0.9, False, True, options, torch.float32)
+        test_fused_adagrad_matches_cpu(options, torch.float32)

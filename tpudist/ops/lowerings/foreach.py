@@ -168,6 +168,76 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_step
                  grad_scale=grad_scale, found_inf=found_inf, decoupled=False)
 
 
+def _unscaled(g, grad_scale, maximize):
+    """A fused optimizer's gradient: divided by GradScaler's scale (the kernels write this back into
+    ``grads``) and, for the update only, negated under ``maximize``."""
+    written = g if grad_scale is None else (upcast(g) / grad_scale.reshape(())).astype(g.dtype)
+    used = upcast(written)
+    return written, -used if maximize else used
+
+
+def _skip_if_inf(found_inf, prev, value):
+    """torch's fused kernels return before touching anything when ``found_inf`` is set."""
+    value = value.astype(prev.dtype)
+    return value if found_inf is None else jnp.where(found_inf.reshape(()) != 0, prev, value)
+
+
+@lowers(aten._fused_sgd.default, aten._fused_sgd.tensor_lr)
+def fused_sgd(params, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening, nesterov, maximize,
+              is_first_step, grad_scale=None, found_inf=None):
+    """torch's fused SGD step (aten/src/ATen/native/cpu/FusedSGDKernel.cpp); ``momentum_buffer_list`` is
+    empty when ``momentum`` is 0, and on the first step the buffer becomes the gradient."""
+    lr = lr.reshape(()) if is_array(lr) else lr
+    new_params, new_grads, new_bufs = [], [], []
+    for i, (p, g) in enumerate(zip(params, grads)):
+        written, gf = _unscaled(g, grad_scale, maximize)
+        pf = upcast(p)
+        if not is_zero(weight_decay):
+            gf = gf + weight_decay * pf
+        if momentum_buffer_list:
+            buf = momentum_buffer_list[i]
+            bf = gf if is_first_step else upcast(buf) * momentum + (1 - dampening) * gf
+            gf = gf + momentum * bf if nesterov else bf
+            new_bufs.append(_skip_if_inf(found_inf, buf, bf))
+        new_params.append(_skip_if_inf(found_inf, p, pf - lr * gf))
+        new_grads.append(_skip_if_inf(found_inf, g, written))
+    return new_params, new_grads, new_bufs
+
+
+def _adagrad(params, grads, state_sums, state_steps, *, lr, lr_decay, weight_decay, eps, maximize,
+             grad_scale, found_inf):
+    """torch's fused Adagrad step (aten/src/ATen/native/cpu/FusedAdagradKernel.cpp), ``state_steps``
+    already incremented by the optimizer; returns the new params, grads and state sums."""
+    lr = lr.reshape(()) if is_array(lr) else lr  # a float may arrive traced too (the device's program input)
+    new_params, new_grads, new_sums = [], [], []
+    for p, g, s, step in zip(params, grads, state_sums, state_steps):
+        written, gf = _unscaled(g, grad_scale, maximize)
+        pf = upcast(p)
+        if not is_zero(weight_decay):
+            gf = gf + weight_decay * pf
+        sf = upcast(s) + gf * gf
+        clr = (lr / (1 + (jnp.asarray(step, jnp.float64).reshape(()) - 1) * lr_decay)).astype(pf.dtype)
+        new_params.append(_skip_if_inf(found_inf, p, pf - clr * gf / (jnp.sqrt(sf) + eps)))
+        new_grads.append(_skip_if_inf(found_inf, g, written))
+        new_sums.append(_skip_if_inf(found_inf, s, sf))
+    return new_params, new_grads, new_sums
+
+
+@lowers(aten._fused_adagrad.default)
+def fused_adagrad(params, grads, state_sums, state_steps, *, lr, lr_decay, weight_decay, eps, maximize,
+                  grad_scale=None, found_inf=None):
+    # this overload's schema writes state_steps too; the kernel leaves them as they are
+    return (*_adagrad(params, grads, state_sums, state_steps, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                      eps=eps, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf), list(state_steps))
+
+
+@lowers(aten._fused_adagrad.tensor_lr)
+def fused_adagrad_tensor_lr(params, grads, state_sums, state_steps, *, lr, lr_decay, weight_decay, eps, maximize,
+                            grad_scale=None, found_inf=None):
+    return _adagrad(params, grads, state_sums, state_steps, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                    eps=eps, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
+
+
 # -- mixed-precision loss scaling (torch.amp.GradScaler) --------------------------------------------
 
 @lowers(aten._amp_foreach_non_finite_check_and_unscale.default)
