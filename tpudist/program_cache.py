@@ -8,14 +8,15 @@ program (graph, shapes, dtypes, options, library versions and tpudist's lowering
 any process of any host that would trace the same program reads it instead: the second host of a
 pod traces nothing the first traced.
 
-XLA executables are kept here too (:func:`load_or_compile`), keyed by the program and the devices
-they were compiled for: eager collectives (CPU and tpu tensors) and compiled graphs. The same rank
-of the next world, or of another group of hosts with the same layout, loads each (2-3 ms) instead
-of tracing and compiling it (0.1-0.2 s for a collective on CPU); a program over several processes'
-devices serves every rank of its world. Other executables (the device's Fused programs and
-kernels) are in JAX's persistent compilation cache (``tpudist.jax_cache``), in the same root: on
-XLA:CPU its key holds the device assignment and only JAX process 0 writes it, so there rank r > 0
-of a multi-process world compiles them again (docs/cache.md).
+XLA executables are kept here too (:func:`load_or_compile`): the device's Fused programs and host
+readers, compiled graphs, eager collectives and ``tpudist.sharding``'s programs. A single-device
+executable names no device in its key and is loaded onto the caller's device, so every rank of
+every host shares one entry; one over several devices is keyed by their ids and serves every rank
+of its world (and of the next world with the same layout). Loading one takes 2-3 ms, where tracing
+and compiling a collective takes 0.1-0.2 s on CPU and a Fused step seconds. The Strict and Debug
+kernels are left to JAX's persistent compilation cache (``tpudist.jax_cache``), in the same root:
+on XLA:CPU its key holds the device assignment and only JAX process 0 writes it, so there rank
+r > 0 of a multi-process world compiles them again (docs/cache.md).
 
 Where: ``$TPUDIST_CACHE_DIR`` (default ``~/.cache/tpudist``), a path or, with ``fsspec``
 installed, any fsspec URL (``file://``, ``memory://``, ``s3://``, ...); entries live under
@@ -408,13 +409,17 @@ def load_or_compile(kind: str, key_parts: Any, jitted: Any, args: tuple, devices
 
     For programs whose tracing is cheap next to XLA's compile, as the collectives' small
     ``shard_map`` programs are (tracing 20-60 ms, compiling 100-220 ms, loading 2-3 ms: measured on
-    2 ranks, jax 0.10.2), and for programs over several processes' devices, whose tracing every
-    rank needs anyway. An executable is compiled for a device assignment: the key holds the
-    devices' ids, their platform and kind, the world's device and process counts and XLA_FLAGS
-    besides ``key_parts``. Unlike JAX's persistent cache on CPU, an entry written by one process
-    serves every process of the program (measured: rank 1 runs rank 0's all_reduce executable).
-    Only executables compiled here are stored: XLA:CPU serializes one that JAX's own cache loaded
-    without its kernels. Program outputs must be tuples and lists of arrays (nested or not).
+    2 ranks, jax 0.10.2), for programs over several processes' devices, whose tracing every rank
+    needs anyway, and for single-device programs JAX's persistent cache cannot share (on CPU its
+    key holds the device and only JAX process 0 writes it). An executable over several devices is
+    compiled for their assignment: the key holds the devices' ids, their platform and kind, the
+    world's device and process counts and XLA_FLAGS besides ``key_parts``; an entry written by one
+    process serves every process of the program (measured: rank 1 runs rank 0's all_reduce
+    executable). A single-device executable names no device in its key (platform, kind and
+    XLA_FLAGS only): it is loaded onto ``devices[0]``, whichever device it was compiled for, so
+    every rank and host shares one entry. Only executables compiled here are stored: XLA:CPU
+    serializes one that JAX's own cache loaded without its kernels. Program outputs must be tuples
+    and lists of arrays (nested or not).
     """
     import jax
     from jax.experimental import serialize_executable
@@ -423,18 +428,28 @@ def load_or_compile(kind: str, key_parts: Any, jitted: Any, args: tuple, devices
 
     def compile_it() -> Any:
         program = jitted if hasattr(jitted, "lower") else jitted()
-        return program.lower(*args).compile(compiler_options=compiler_options)
+        if len(devices) != 1:
+            return program.lower(*args).compile(compiler_options=compiler_options)
+        with jax.default_device(devices[0]):  # a program of no committed argument runs there too
+            return program.lower(*args).compile(compiler_options=compiler_options)
 
     if cache is None:
         compiled = compile_it()
         return compiled, meta_fn() if meta_fn else {}, False
-    placement = (tuple(d.id for d in devices), devices[0].platform, devices[0].device_kind, jax.device_count(),
-                 jax.process_count(), os.environ.get("XLA_FLAGS", ""), sorted((compiler_options or {}).items()))
+    options = sorted((compiler_options or {}).items())
+    if len(devices) == 1:
+        placement = ("one device", devices[0].platform, devices[0].device_kind, os.environ.get("XLA_FLAGS", ""),
+                     options)
+    else:
+        placement = (tuple(d.id for d in devices), devices[0].platform, devices[0].device_kind,
+                     jax.device_count(), jax.process_count(), os.environ.get("XLA_FLAGS", ""), options)
     key = key_of(kind, (key_parts, placement))
     in_tree = jax.tree.structure((tuple(args), {}))
 
     def load(data: bytes, meta: dict) -> Any:
         out_tree = jax.tree.structure(_tree_from_json(meta["out"]))
+        if len(devices) == 1 and meta.get("device_ids", [devices[0].id]) != [devices[0].id]:
+            return _load_on(devices[0], meta["device_ids"][0], data, in_tree, out_tree, compiler_options)
         return serialize_executable.deserialize_and_load(data, in_tree, out_tree, execution_devices=devices)
 
     entry = cache.get(key, load)
@@ -452,8 +467,45 @@ def load_or_compile(kind: str, key_parts: Any, jitted: Any, args: tuple, devices
         except (ValueError, NotImplementedError, TypeError) as e:
             log.info("tpudist.program_cache: %s not serializable (%s)", key, e)
         else:
-            cache.put(key, bytes(payload), {**meta, "out": out})
+            cache.put(key, bytes(payload), {**meta, "out": out, "device_ids": [d.id for d in devices]})
     return compiled, meta, False
+
+
+def _load_on(device: Any, stored_id: int, data: bytes, in_tree: Any, out_tree: Any,
+             compiler_options: dict | None) -> Any:
+    """A single-device executable compiled for device ``stored_id``, loaded to run on ``device``.
+
+    XLA:CPU's serialized executable keeps its compile-time device assignment (run on another
+    device, it refuses the buffers: "replica is assigned to device cpu:0"), and JAX's pickle names
+    the device in the input and output shardings; both are replaced by ``device``. Its code does not
+    depend on the device (measured, jax 0.10.2: a program compiled on cpu:0 gives cpu:0's results on
+    cpu:1 and on another process's device). Mirrors ``serialize_executable.deserialize_and_load``.
+    """
+    import io
+
+    import jax
+    import numpy as np
+    from jax._src import compiler
+    from jax.experimental import serialize_executable
+
+    backend = device.client
+    options = compiler.get_compile_options(1, 1, device_assignment=np.array([[device.id]]),
+                                           env_options_overrides=compiler_options)
+
+    class OnDevice(serialize_executable._JaxPjrtUnpickler):  # noqa: SLF001 - jax's own executable pickle
+        def persistent_load(self, pid):
+            if pid[0] == "device":
+                if pid[1] != stored_id:
+                    raise ValueError(f"the executable names device {pid[1]}, its entry device {stored_id}")
+                return device
+            if pid[0] == "exec":
+                return backend.deserialize_executable(pid[1], executable_devices=self.execution_devices,
+                                                      compile_options=options)
+            return super().persistent_load(pid)
+
+    unloaded, args_info_flat, no_kwargs = OnDevice(io.BytesIO(data), backend, [device]).load()
+    return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree,
+                               no_kwargs=no_kwargs)
 
 
 def _tree_to_json(node: Any) -> Any:

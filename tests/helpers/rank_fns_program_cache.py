@@ -4,14 +4,18 @@ from __future__ import annotations
 
 
 def compile_in_turn():
-    """Rank 0 compiles a model's step and a fused-like program first; rank 1 after it, same programs."""
+    """Rank 0 compiles a model's step, a fused-like program and a Fused computation on the tpu device
+    (read back to the host) first; rank 1 after it, same programs. Every XLA compile of the device
+    computation (whatever asked JAX for it) is counted."""
     import jax
+    import jax._src.compiler as jax_compiler
     import jax.numpy as jnp
     import numpy as np
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    import tpudist.device  # noqa: F401 - before any backward (COMMON.md)
     from tpudist import program_cache
     from tpudist.compile.program import STATS
     from tpudist.process_group import runtime
@@ -33,10 +37,29 @@ def compile_in_turn():
             x = jax.device_put(np.full((4, 4), dist.get_rank() + 1.0, np.float32), device)
             fused = jax.jit(loaded.exported.call)(x)
             assert fused.devices() == {device}, fused.devices()
+
+            compiles, original = [], jax_compiler.backend_compile_and_load
+
+            def counted(backend, module, devices, *args, **kwargs):
+                compiles.append(str(module.operation.attributes["sym_name"]).strip('"'))
+                return original(backend, module, devices, *args, **kwargs)
+
+            jax_compiler.backend_compile_and_load = counted
+            try:
+                torch.tpu.set_eager_mode("fused")
+                a = (torch.arange(12.0).reshape(3, 4) * (dist.get_rank() + 1)).to("tpu")
+                on_device = (torch.tanh(a @ a.T / 200) + a.sum()).cpu()
+            finally:
+                jax_compiler.backend_compile_and_load = original
+                torch.tpu.set_eager_mode("strict")
+            device_stats = torch.tpu.cache_stats()
             out = {"loss": loss.item(), "grad": model[0].weight.grad.norm().item(),
                    "fused": np.asarray(fused).ravel().tolist(), "device": str(device),
+                   "on_device": on_device.tolist(), "device_compiles": compiles,
+                   "device_programs": device_stats["programs"], "readers": device_stats["readers"],
                    "compile": STATS.snapshot(),
-                   "cache": {k: program_cache.stats(k).snapshot() for k in ("compile", "test_fused")}}
+                   "cache": {k: program_cache.stats(k).snapshot()
+                             for k in ("compile", "compile_xla", "test_fused", "fused_xla", "reader")}}
         dist.barrier()
     return out
 
@@ -45,7 +68,8 @@ def one_of_each():
     """A rank's programs of every kind, phase by phase: a Fused training step on the tpu device
     ("fused"), a compiled step on CPU tensors (forward and backward graphs) and a compiled graph with
     a functional all_reduce ("compiled"), eager collectives on CPU tensors and on tpu tensors
-    ("collectives"), then the values read back ("read"). Returns the values, the cache counters,
+    ("collectives"), ``tpudist.sharding``'s redistribute of uneven shards and an spmd program
+    ("sharding"), then the values read back ("read"). Returns the values, the cache counters,
     and every XLA compile of the process (JAX's ``backend_compile_and_load``, whatever asked for
     it) as (phase, module name, number of devices)."""
     import jax._src.compiler as jax_compiler
@@ -98,14 +122,28 @@ def one_of_each():
         gathered = torch.zeros(4 * n).to("tpu")
         dist.all_gather_single(gathered, torch.full((4,), float(rank)).to("tpu"))
 
+        phase[0] = "sharding"
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        from tpudist.sharding import redistribute, spmd
+
+        mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("x",))
+        full = torch.arange(20.0).reshape(5, 4)  # 5 rows over 2 ranks: uneven shards
+        with torch.no_grad():
+            gathered_rows = redistribute(distribute_tensor(full, mesh, [Shard(0)]), [Replicate()]).to_local()
+            scaled = spmd(lambda a: a.T * 2)(distribute_tensor(full, mesh, [Shard(1)])).full_tensor()
+
         phase[0] = "read"
         values = {"fused": fused, "compiled": [compiled_loss.item(), cpu_model[0].weight.grad.norm().item()],
                   "graph": graph.tolist(), "big": big[:3].tolist(), "small": small.item(),
-                  "on_device": on_device.cpu().tolist(), "gathered": gathered.cpu().tolist()}
+                  "on_device": on_device.cpu().tolist(), "gathered": gathered.cpu().tolist(),
+                  "rows": gathered_rows.tolist(), "scaled": scaled.tolist()}
     finally:
         jax_compiler.backend_compile_and_load = original
     collectives = cache_stats()
     return {"values": values, "compiles": compiles, "fused_programs": device_stats["programs"],
             "fused_from_disk": device_stats.get("programs_from_disk", 0), "graphs": STATS.snapshot(),
             "collectives": {"xla_compiles": collectives.xla_compiles, "xla_loaded": collectives.xla_loaded},
-            "cache": {k: program_cache.stats(k).snapshot() for k in ("fused", "compile", "compile_xla", "collective")}}
+            "cache": {k: program_cache.stats(k).snapshot()
+                      for k in ("fused", "fused_xla", "reader", "compile", "compile_xla", "collective")}}

@@ -133,29 +133,41 @@ def _program_key(g: Graph, live) -> tuple:
 
 
 def _load_or_compile(g: Graph, live, sc):
-    """A fused program, its traced module read from tpudist's program cache if any process or host
-    traced an identical graph before (``tpudist.program_cache``, ``<TPUDIST_CACHE_DIR>/programs``).
+    """A fused program: its XLA executable from tpudist's program cache if any rank of any host
+    compiled an identical graph before, else its traced module from there, else traced; compiled
+    and both stored (``tpudist.program_cache``, ``<TPUDIST_CACHE_DIR>/programs``).
 
-    JAX's persistent cache saves XLA's compile but not the tracing of hundreds of kernels into one
-    program, which dominates a warm start. The traced program is stored as a ``jax.export`` module
-    and compiled through JAX (whose persistent cache then hits). Serialized XLA:CPU executables
-    (``jax.experimental.serialize_executable``) were tried first: loaded next to kernels compiled in
-    the process they failed at run time ("NOT_FOUND: Function wrapped_add not found").
+    Tracing hundreds of kernels into one program dominates a warm start, and JAX's persistent
+    cache, which holds XLA's compile, is written only by JAX process 0 on multi-process CPU, with
+    the device in its key: rank r > 0 of the next run would compile every program again. The
+    executable names no device in its key (it is loaded onto this rank's device), so every rank
+    and host shares one entry. Without a cache root the program is jitted as before.
     """
     from jax import export
 
     from tpudist import program_cache
 
-    def trace():
-        with jax.enable_x64(True):
-            return export.export(_program(g.nodes, live))(g.inputs, sc)
-
-    loaded = program_cache.load_or_export("fused", _program_key(g, live), trace)
-    if loaded.exported is None:  # caching off, or jax.export refuses the program (host callbacks)
+    if program_cache.default_cache() is None:
         return _program(g.nodes, live)
-    if loaded.from_cache:
+    key = _program_key(g, live)
+    module_from_cache = [False]
+
+    def jitted():
+        def trace():
+            with jax.enable_x64(True):
+                return export.export(_program(g.nodes, live))(g.inputs, sc)
+
+        loaded = program_cache.load_or_export("fused", key, trace)
+        if loaded.exported is None:  # jax.export refuses the program (host callbacks)
+            return _program(g.nodes, live)
+        module_from_cache[0] = loaded.from_cache
+        return jax.jit(loaded.exported.call)
+
+    with jax.enable_x64(True):
+        compiled, _, loaded = program_cache.load_or_compile("fused_xla", key, jitted, (g.inputs, sc), [rt.device()])
+    if loaded or module_from_cache[0]:
         rt.stats["programs_from_disk"] += 1
-    return jax.jit(loaded.exported.call)
+    return compiled
 
 
 def flush() -> None:

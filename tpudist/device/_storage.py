@@ -109,13 +109,33 @@ def value_of(t: torch.Tensor):
     reader = _READERS.get(key)
     if reader is None:
         rt.stats["readers"] += 1
-
-        def read(f, start):
-            return views.read_at(f, sizes, strides, start, want)
-
-        reader = _READERS[key] = jax.jit(read)
+        reader = _READERS[key] = _reader(key, flat, offset)
     with jax.enable_x64(True):
         return reader(flat, np.int64(offset))
+
+
+def _reader(key: tuple, flat, offset: int):
+    """The program that reads a view of ``key``'s layout out of a flat storage array: its XLA
+    executable from tpudist's program cache where any rank or host compiled it (JAX's cache, on
+    multi-process CPU, is written by process 0 only), else compiled and stored; jitted as it is
+    without a cache root."""
+    from tpudist import program_cache
+
+    sizes, strides, _, _, dtype = key
+    want = tops.to_jax_dtype(dtype)
+
+    def read(f, start):
+        return views.read_at(f, sizes, strides, start, want)
+
+    if program_cache.default_cache() is None:
+        return jax.jit(read)
+    from tpudist.device._fused import _source_fingerprint
+
+    parts = (_source_fingerprint(), sizes, strides, flat.shape, str(flat.dtype), str(dtype))
+    with jax.enable_x64(True):
+        compiled, _, _ = program_cache.load_or_compile("reader", parts, jax.jit(read), (flat, np.int64(offset)),
+                                                       list(flat.devices()))
+    return compiled
 
 
 def _retype(value, want):

@@ -34,7 +34,7 @@ from tpudist.sharding.layout import LayoutError
 from tpudist.sharding.plan import (DEFAULT_TIMEOUT, Path, Plan, collectives, digest, environment,
                                    run_in_order, settle)
 
-_programs: dict[tuple, tuple[Any, str]] = {}
+_programs: dict[tuple, tuple[Any, Any, str]] = {}
 _lock = threading.Lock()
 
 
@@ -115,12 +115,22 @@ def _build(mesh: Any, src: BlockSpec, dst: BlockSpec, dtype: Any) -> tuple[Any, 
 
 
 def program_for(mesh: Any, src: BlockSpec, dst: BlockSpec, dtype: Any) -> tuple[Any, str]:
-    """The cached jitted program and the digest of its lowered text."""
+    """The cached program and the digest of its lowered text. Its XLA executable comes from tpudist's
+    program cache at the first call (keyed by the lowered program and the mesh's devices): every rank
+    of the next world, and a rank after its peer in this one, loads it instead of compiling."""
+    return _entry(mesh, src, dst, dtype)[1:]
+
+
+def _entry(mesh: Any, src: BlockSpec, dst: BlockSpec, dtype: Any) -> tuple[Any, Any, str]:
+    """(the jitted program, the program to run, the digest of its lowered text)."""
+    from tpudist.process_group.programs import CachedProgram
+
     key = (mesh, src, dst, np.dtype(dtype).name)
     with _lock:
         hit = _programs.get(key)
     if hit is None:
-        hit = _build(mesh, src, dst, dtype)
+        jitted, text_digest = _build(mesh, src, dst, dtype)
+        hit = (jitted, CachedProgram(jitted, list(mesh.devices.flat), ("redistribute", text_digest)), text_digest)
         with _lock:
             _programs[key] = hit
     return hit
@@ -185,7 +195,7 @@ def compiled_text(dtensor: DTensor, placements: Sequence[Placement]) -> str:
     with arrays.x64(dtensor.dtype):
         abstract = jax.ShapeDtypeStruct(src.block_shape(), _jax_dtype(dtensor),
                                         sharding=NamedSharding(jmesh, src.block_spec()))
-        return program.lower(abstract).compile().as_text()
+        return _entry(jmesh, *specs, _jax_dtype(dtensor))[0].lower(abstract).compile().as_text()
 
 
 __all__ = ["compiled_text", "plan_redistribute", "redistribute"]

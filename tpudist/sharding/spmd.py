@@ -116,6 +116,8 @@ def _program_for(fn, jmesh, device_mesh, treedef, leaves, tensor_at, specs, bloc
     import jax
     from jax.sharding import NamedSharding
 
+    from tpudist.process_group.programs import CachedProgram
+
     statics = tuple((i, leaves[i]) for i in range(len(leaves)) if i not in tensor_at)
     key = (fn, jmesh, str(treedef), statics, specs, tuple(str(b.dtype) for b in blocks), out_placements)
     with _lock:
@@ -153,7 +155,10 @@ def _program_for(fn, jmesh, device_mesh, treedef, leaves, tensor_at, specs, bloc
 
         shardings = jax.tree_util.tree_unflatten(out_tree, [NamedSharding(jmesh, s.block_spec()) for s in out_specs])
         jitted = jax.jit(padded, out_shardings=shardings)
-    hit = (jitted, out_specs, digest(jitted.lower(*abstract).as_text()))
+    # The executable comes from tpudist's program cache at the first call (keyed by the lowered
+    # program and the mesh's devices): the next world's ranks, and a rank after its peer, load it.
+    text_digest = digest(jitted.lower(*abstract).as_text())
+    hit = (CachedProgram(jitted, list(jmesh.devices.flat), ("spmd", text_digest)), out_specs, text_digest)
     with _lock:
         _programs[key] = hit
     return hit
