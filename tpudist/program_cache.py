@@ -418,8 +418,8 @@ def load_or_compile(kind: str, key_parts: Any, jitted: Any, args: tuple, devices
     executable). A single-device executable names no device in its key (platform, kind and
     XLA_FLAGS only): it is loaded onto ``devices[0]``, whichever device it was compiled for, so
     every rank and host shares one entry. Only executables compiled here are stored: XLA:CPU
-    serializes one that JAX's own cache loaded without its kernels. Program outputs must be tuples
-    and lists of arrays (nested or not).
+    serializes one that JAX's own cache loaded without its kernels. Executables with host callbacks
+    are compiled and not stored. Program outputs must be tuples and lists of arrays (nested or not).
     """
     import jax
     from jax.experimental import serialize_executable
@@ -461,7 +461,7 @@ def load_or_compile(kind: str, key_parts: Any, jitted: Any, args: tuple, devices
     meta = meta_fn() if meta_fn else {}
     out = _tree_to_json(jax.tree.unflatten(compiled.out_tree, range(compiled.out_tree.num_leaves)))
     if (_jax_cache_hits[0] == hits and compiled.in_tree == in_tree and out is not None
-            and jax.tree.structure(_tree_from_json(out)) == compiled.out_tree):
+            and jax.tree.structure(_tree_from_json(out)) == compiled.out_tree and not _has_host_callbacks(compiled)):
         try:
             payload, _, _ = serialize_executable.serialize(compiled)
         except (ValueError, NotImplementedError, TypeError) as e:
@@ -469,6 +469,13 @@ def load_or_compile(kind: str, key_parts: Any, jitted: Any, args: tuple, devices
         else:
             cache.put(key, bytes(payload), {**meta, "out": out, "device_ids": [d.id for d in devices]})
     return compiled, meta, False
+
+
+def _has_host_callbacks(compiled: Any) -> bool:
+    """Whether the executable calls back into this process's Python (``jax.debug.callback``, the
+    device's runtime asserts): those functions cannot be stored with it (JAX's pickle refuses them)."""
+    unloaded = getattr(compiled._executable, "_unloaded_executable", None)  # noqa: SLF001 - what serialize reads
+    return bool(getattr(unloaded, "host_callbacks", None))
 
 
 def _load_on(device: Any, stored_id: int, data: bytes, in_tree: Any, out_tree: Any,

@@ -334,6 +334,29 @@ def test_load_or_compile_skips_an_unloadable_executable(tmp_path):
     assert program_cache.load_or_compile("test", ("times3", salt), jitted, args, devices, cache=cache)[2]
 
 
+def test_load_or_compile_does_not_store_a_program_with_host_callbacks(tmp_path):
+    """A program that calls back into Python (the device's runtime asserts do) runs, calls back, and
+    is compiled each time rather than stored (the callback cannot be stored with it)."""
+    import jax
+    import numpy as np
+
+    cache = ProgramCache(tmp_path, max_bytes=1 << 24)
+    seen = []
+
+    def f(a):
+        jax.debug.callback(lambda v: seen.append(float(v)), a.sum())
+        return (a * 2,)
+
+    x = np.arange(3, dtype=np.float32)
+    for _ in range(2):
+        compiled, _, loaded = program_cache.load_or_compile("test", ("callback",), jax.jit(f), (x,),
+                                                            jax.local_devices()[:1], cache=cache)
+        assert not loaded
+        np.testing.assert_array_equal(np.asarray(compiled(x)[0]), x * 2)
+        jax.effects_barrier()
+    assert seen == [3.0, 3.0] and cache.keys() == [] and cache.stats.writes == 0
+
+
 # Two CPU devices in one process: an executable compiled for device 0 is loaded onto device 1 (one
 # entry: single-device keys name no device), runs there on device 1's arrays and refuses device 0's.
 _OTHER_DEVICE = textwrap.dedent("""
