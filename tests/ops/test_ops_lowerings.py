@@ -1317,3 +1317,19 @@ def _run_fused_optimizer_cases():
     for options in (dict(), dict(tensor_lr=True)):
         test_fused_sgd_matches_cpu(0.9, False, True, options, torch.float32)
         test_fused_adagrad_matches_cpu(options, torch.float32)
+
+
+# -- FFT of a real input: self-conjugate bins are exactly real ---------------------------------------
+
+@pytest.mark.parametrize("shape,dim,onesided", [((3, 100), [1], True), ((3, 99), [1], True), ((3, 100), [1], False),
+                                                ((4, 6, 8), [1, 2], True), ((4, 6, 8), [0, 2], False)], ids=str)
+def test_fft_r2c_self_conjugate_bins_are_real_as_on_cpu(shape, dim, onesided):
+    """The DC and Nyquist bins of an rfft have imaginary part +0 on the CPU; a complex FFT left -2.4e-7
+    there, and angle() of a negative one was -pi instead of pi (an STFT feature off by 2*pi)."""
+    n = torch.arange(shape[-1])
+    x = _t(*shape) - 4 - 4 * (-1.0) ** n  # negative DC and Nyquist bins along the last dim
+    want = aten._fft_r2c(x, dim, 0, onesided)
+    got = run_on_jax(aten._fft_r2c.default, x, dim, 0, onesided)
+    assert compare(want, got, atol=1e-4) is None
+    assert torch.equal(torch.signbit(got.imag[want.imag == 0]), torch.signbit(want.imag[want.imag == 0]))
+    assert compare(want.angle(), got.angle(), atol=1e-5) is None
