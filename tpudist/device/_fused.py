@@ -190,7 +190,9 @@ def flush() -> None:
                 seen.add(id(b))
                 live.append(v.index)
                 bufs.append(b)
-        key = (tuple(g.nodes), tuple(live))  # kernels hash by identity: as their ids did
+        # kernels hash by identity, as their ids did; the device too: a program from the program
+        # cache is an executable of this device, and a new world (a new JAX backend) has new devices
+        key = (tuple(g.nodes), tuple(live), rt.device())
         rt.stats["graph_key_s"] += time.perf_counter() - t0
         sc = np.asarray(g.scalars, np.float64) if g.scalars else np.zeros((0,), np.float64)
         t1 = time.perf_counter()

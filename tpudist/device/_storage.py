@@ -105,7 +105,9 @@ def value_of(t: torch.Tensor):
         return jnp.zeros(sizes, want)
     # The offset is an argument of the reader, not part of its key: reading a view that moves along its
     # storage (a decode loop's ids[:, -1], a cache slot) reuses one program.
-    key = (sizes, strides, flat.shape, flat.dtype, t.dtype)
+    # The device too: a reader from the program cache is an executable of this device, and a new
+    # world (a new JAX backend) has new devices.
+    key = (sizes, strides, flat.shape, flat.dtype, t.dtype, rt.device())
     reader = _READERS.get(key)
     if reader is None:
         rt.stats["readers"] += 1
@@ -121,7 +123,7 @@ def _reader(key: tuple, flat, offset: int):
     without a cache root."""
     from tpudist import program_cache
 
-    sizes, strides, _, _, dtype = key
+    sizes, strides, _, _, dtype, device = key
     want = tops.to_jax_dtype(dtype)
 
     def read(f, start):
@@ -134,7 +136,7 @@ def _reader(key: tuple, flat, offset: int):
     parts = (_source_fingerprint(), sizes, strides, flat.shape, str(flat.dtype), str(dtype))
     with jax.enable_x64(True):
         compiled, _, _ = program_cache.load_or_compile("reader", parts, jax.jit(read), (flat, np.int64(offset)),
-                                                       list(flat.devices()))
+                                                       [device])
     return compiled
 
 
