@@ -308,3 +308,55 @@ def collectives(device: str) -> dict[str, torch.Tensor]:
     big = T(torch.arange(5000.0) * (r + 1)); dist.all_reduce(big); out["big"] = big
     v = T(torch.zeros(4, 3)); col = v[:, 1]; col.copy_(T(torch.arange(4.0) + r)); dist.all_reduce(col); out["strided_view"] = v
     return {k: x.cpu() for k, x in out.items()}
+
+
+def train_hf(kind: str, device: str, mode: str = "strict") -> dict:
+    """Hugging Face code as users run it, sharded: a tiny ``LlamaForCausalLM`` (``kind="fsdp"``:
+    ``fully_shard`` on every decoder layer, then the root) or ``GPT2LMHeadModel`` (``kind="ddp"``:
+    its Conv1D layers, tied embeddings) with its own loss (``labels=``, a padded batch with an
+    attention mask and ignored labels), AdamW with weight decay and ``clip_grad_norm_``. Returns
+    the losses and the full parameters afterwards (on the CPU)."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import tpudist.device  # noqa: F401
+    from tpudist.training.equivalence import full_parameters
+
+    if device == "cpu":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), backend_override={0: "gloo"})
+    else:
+        mesh = init_device_mesh("tpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    if kind == "fsdp":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=64, max_position_embeddings=32))
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+    model = model.to(device)
+    if kind == "fsdp":
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh.get_group())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # the second sequence is padded at the end
+    labels = ids.masked_fill(mask == 0, -100)
+    losses, norms = [], []
+    with torch.tpu.eager_mode(mode):
+        for _ in range(STEPS):  # one batch per rank, every step: the loss must fall
+            out = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
+            out.loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            opt.step()
+            opt.zero_grad()
+            losses.append(out.loss.item())
+        params = {k: v.cpu() for k, v in full_parameters(model).items()}
+    return {"params": params, "losses": losses, "norms": norms,
+            "devices": sorted({str(p.device) for p in model.parameters()})}
