@@ -5,9 +5,11 @@ path, or with ``fsspec`` installed any fsspec URL, which every host of a pod may
 ``TPUDIST_CACHE_DIR=0`` turns every cache off. In it:
 
 - ``programs/``: tpudist's program cache (``tpudist.program_cache``): traced programs as
-  ``jax.export`` modules and the XLA executables of collectives and compiled graphs, shared by
-  every process and host that would build the same program.
-- the files of JAX's persistent compilation cache (the other XLA executables; JAX only touches its
+  ``jax.export`` modules and the XLA executables of collectives, compiled graphs, the device's Fused
+  programs and host reads, and DTensor redistribute/SPMD programs, shared by every process and host
+  that would build the same program (a single-device executable names no device: any rank loads it).
+- the files of JAX's persistent compilation cache (the other XLA executables, e.g. Strict-mode
+  kernels; on multi-process CPU only process 0 writes them; JAX only touches its
   own ``*-cache`` and ``*-atime`` files). JAX reads and writes local or mounted paths only: for a
   URL root they go to the local default root instead. Every program is cached, however fast it
   compiled (JAX's default skips those under 1 s). It is enabled at the device's first use, when a

@@ -9,8 +9,9 @@ XLA's result buffers, each in the dtype ``node.meta["val"]`` records.
 
 Programs are cached in memory by their key (the graph's code, its input shapes and dtypes, its
 constants and the collective groups it names) and on disk in tpudist's program cache
-(``tpudist.program_cache``): XLA's executable, keyed by the program and its devices (a rank of a
-later world or another host with the same layout neither traces nor compiles), and for programs
+(``tpudist.program_cache``): XLA's executable, keyed by the program and its devices (a
+single-device graph's by its platform only: any rank loads it onto its own device), so a rank of a
+later world or another host with the same layout neither traces nor compiles; and for programs
 without collectives also the traced program as a ``jax.export`` module, which names no device: any
 rank or host that would trace the same graph reads it and only compiles. JAX's persistent
 compilation cache (``tpudist.jax_cache``) serves XLA's compile where the executable is missing.

@@ -104,8 +104,9 @@ class CachedProgram:
     package's source and ``devices`` (the device assignment, in the program's mesh order).
 
     For programs of the collectives that are not :class:`Executable` s: the device tensors' read,
-    collective and write programs (``device_arrays``) and compiled graphs' fingerprint check
-    (``tpudist.compile.collectives``). Without a cache the jitted program runs as it is.
+    collective and write programs (``device_arrays``), compiled graphs' fingerprint check
+    (``tpudist.compile.collectives``), and DTensor's redistribute and SPMD programs
+    (``tpudist.sharding``). Without a cache the jitted program runs as it is.
     """
 
     __slots__ = ("_fn",)
