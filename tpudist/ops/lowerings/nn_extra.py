@@ -125,8 +125,9 @@ def nested_tensor_from_mask(t, mask, mask_check=True):
     raise NotImplementedError(
         "aten._nested_tensor_from_mask: nested tensors cannot live on the 'tpu' device, and "
         "nn.TransformerEncoder takes its nested-tensor fast path in eval mode under no_grad when given a "
-        "src_key_padding_mask; build it with TransformerEncoder(..., enable_nested_tensor=False) (same "
-        "results, except that CPU's nested path zeroes the padded positions) or call "
+        "src_key_padding_mask; build it with TransformerEncoder(..., enable_nested_tensor=False) (for an "
+        "nn.Transformer, set model.encoder.use_nested_tensor = False; same results, except that CPU's "
+        "nested path zeroes the padded positions) or call "
         "torch.backends.mha.set_fastpath_enabled(False)")
 
 
