@@ -6,6 +6,7 @@ Every value is compared with CPU eager; compile counts are asserted, never times
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 
 import pytest
@@ -16,15 +17,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import tpudist.device  # noqa: F401  (installs the "tpu" device)
 from tpudist.device import _attention, buckets
 
+try:
+    from transformers import LogitsProcessor, LogitsProcessorList
+except ImportError:  # the Hugging Face tests skip
+    LogitsProcessor = LogitsProcessorList = None
+
 MODES = ("strict", "fused")
-
-
-@pytest.fixture
-def mode(request):
-    previous = torch.tpu.get_eager_mode()
-    torch.tpu.set_eager_mode(request.param)
-    yield request.param
-    torch.tpu.set_eager_mode(previous)
 
 
 def _compiled() -> int:
@@ -175,7 +173,9 @@ def test_growing_kv_cache_compiles_per_capacity(mode, chunk):
         compiled
 
 
-def _hf_llama():
+@pytest.fixture(scope="module")
+def hf_llama():
+    pytest.importorskip("transformers", reason="Hugging Face generate needs transformers (optional extra)")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -185,9 +185,8 @@ def _hf_llama():
 
 
 @pytest.mark.parametrize("mode", MODES, indirect=True)
-def test_hf_default_dynamic_cache_generate_compiles_once(mode):
-    pytest.importorskip("transformers", reason="Hugging Face generate needs transformers (optional extra)")
-    model = _hf_llama()
+def test_hf_default_dynamic_cache_generate_compiles_once(mode, hf_llama):
+    model = copy.deepcopy(hf_llama)
     torch.manual_seed(1)
     prompts = {1: torch.randint(1, 64, (1, 5)), 2: torch.randint(1, 64, (2, 5))}
     kwargs = dict(do_sample=False, pad_token_id=0)
@@ -202,21 +201,49 @@ def test_hf_default_dynamic_cache_generate_compiles_once(mode):
         assert _compiled() == before, f"batch {batch}: 24 new tokens compiled what 6 did not"
 
 
-def test_hf_padded_batch_and_beam_search_match_cpu():
-    """Left padding gives attention a mask as long as the cache (not padded: exact shapes), beam search
-    reorders the cache: both must still give CPU's tokens."""
-    pytest.importorskip("transformers", reason="Hugging Face generate needs transformers (optional extra)")
-    model = _hf_llama()
+class _CompiledPerStep(LogitsProcessor if LogitsProcessor is not None else object):
+    """Records the device's compile count at every decoding step (a logits processor runs once per step)."""
+
+    def __init__(self):
+        self.counts = []
+
+    def __call__(self, ids, scores):
+        self.counts.append(_compiled())
+        return scores
+
+
+def _padded_prompts():
+    """Three prompts of lengths 7, 5 and 3, left-padded to 7 (HF's layout for batched generation)."""
     torch.manual_seed(2)
-    ids = torch.randint(1, 64, (2, 6))
-    mask = torch.ones(2, 6, dtype=torch.long)
-    ids[0, :2], mask[0, :2] = 0, 0
-    greedy = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-    beams = dict(attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0)
-    want = model.generate(ids, **greedy), model.generate(ids, **beams)
+    ids = torch.randint(1, 64, (3, 7))
+    mask = torch.ones(3, 7, dtype=torch.long)
+    for row, pad in ((1, 2), (2, 4)):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    return ids, mask
+
+
+SEARCHES = {"greedy": dict(do_sample=False), "beams": dict(do_sample=False, num_beams=3)}
+
+
+@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_hf_padded_batch_and_beam_search_compile_per_capacity(mode, search, hf_llama):
+    """Left padding makes HF build an attention mask per step (``arange`` of the key length, compared
+    and combined with the grown 2-d mask, then indexed); beam search reorders the grown cache with
+    ``index_select`` every step. Both run at the capacity: tokens equal CPU eager, and a generation
+    twice as long compiles nothing the shorter one did not (before: a few kernels per new length)."""
+    model = copy.deepcopy(hf_llama)
+    ids, mask = _padded_prompts()
+    kwargs = dict(SEARCHES[search], pad_token_id=0)
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=14, min_new_tokens=14, **kwargs)
     model.to("tpu")
-    on_device = lambda kw: {**kw, "attention_mask": mask.to("tpu")}  # noqa: E731
-    with torch.tpu.eager_mode("fused"):
-        got = (model.generate(ids.to("tpu"), **on_device(greedy)), model.generate(ids.to("tpu"), **on_device(beams)))
-    assert torch.equal(got[0].cpu(), want[0])
-    assert torch.equal(got[1].cpu(), want[1])
+    on_device = dict(kwargs, attention_mask=mask.to("tpu"))
+    short = model.generate(ids.to("tpu"), max_new_tokens=6, min_new_tokens=6, **on_device)
+    if search == "greedy":  # beam search's best beams after 6 tokens need not be a prefix of those after 14
+        assert torch.equal(short.cpu(), reference[:, :13])
+    steps = _CompiledPerStep()
+    tokens = model.generate(ids.to("tpu"), max_new_tokens=14, min_new_tokens=14,
+                            logits_processor=LogitsProcessorList([steps]), **on_device)
+    assert torch.equal(tokens.cpu(), reference)
+    per_step = [b - a for a, b in zip(steps.counts, steps.counts[1:])]
+    assert per_step[5:] == [0] * len(per_step[5:]), per_step

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import tpudist.ops as tops
 from tpudist.device import _runtime as rt
-from tpudist.device import buckets, views
+from tpudist.device import views
 from tpudist.device._debug import check_indices, check_nans
 from tpudist.device._storage import (  # noqa: F401  (re-exported: the kernels module uses them from here)
     _ATTR, X64, Buffer, Lazy, _retype, buffer_of, flush, from_cpu, is_tpu, new_tensor, tensor_over, to_cpu, to_jax,
@@ -766,97 +766,6 @@ def _promote(op, key, leaves, scalars):
     return kernel, gscalars
 
 
-# -- tensors that grow: cat([ids, next_token]) at the same place, token after token -----------------
-#
-# generate() appends each new token to the sequence with torch.cat: a new length, so a new shape, a
-# new kernel and (Fused) a new program per token. Once a cat of an int tensor is seen at the same place
-# with a second length of its first input, its result goes into a storage padded to a capacity
-# (``buckets.growth()``) and the append is a kernel that copies the old storage and writes the new
-# part at a runtime position: one kernel per capacity, and every view of the sequence
-# (``ids[:, -1:]``) reads a storage of a fixed size at a runtime offset (automatic dynamic ints).
-
-_GROWING: dict = {}   # (dtype, dim, first input's sizes after dim, second input's shape) -> first length
-_GREW: set = set()
-_APPENDS: dict = {}
-
-
-class _Append(Kernel):
-    """cat([a, b], dim) as b written at a runtime position into a copy of a's storage, ``capacity`` long.
-
-    Only for a flat append: a contiguous at offset 0 with every dim before ``dim`` of size 1.
-    """
-
-    def __init__(self, slots, b_spec, capacity, dtype):
-        op = aten.cat.default
-        super().__init__(op, op, "functional", None, (b_spec,), slots, None, 1, False,
-                         [((capacity,), dtype)], ("single", None))
-        self.b_spec, self.capacity = b_spec, capacity
-        self.stable_id = hashlib.sha256(repr(("append", slots, b_spec, capacity, str(dtype))).encode()).hexdigest()[:24]
-
-    def __repr__(self):
-        return f"Append(capacity={self.capacity})"
-
-    def trace(self, arrays, sc, base=0, raw=False):
-        flats = self.storages(arrays)
-        _, slot, sizes, strides, offset, dtype = self.b_spec
-        want = tops.to_jax_dtype(dtype)
-        tail = views.read_as(flats[slot], sizes, strides, offset, want).reshape(-1)
-        out = jax.lax.dynamic_update_slice(jnp.zeros((self.capacity,), want), flats[0][:self.capacity], (0,))
-        return [jax.lax.dynamic_update_slice(out, tail, (_offset(sc[base]),))]
-
-
-def _append_for(args, kwargs):
-    """(kernel, leaves, buffers, scalars, result shape) of a growing flat append, or None."""
-    tensors = args[0]
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if len(tensors) != 2:
-        return None
-    a, b = tensors
-    if not (is_tpu(a) and is_tpu(b)) or a.dtype != b.dtype or a.dtype.is_floating_point or a.dtype.is_complex:
-        return None
-    ndim = a.dim()
-    if ndim == 0 or b.dim() != ndim:
-        return None
-    d = dim % ndim
-    if (any(n != 1 for n in a.shape[:d]) or tuple(b.shape[:d]) != tuple(a.shape[:d])
-            or tuple(b.shape[d + 1:]) != tuple(a.shape[d + 1:]) or a.storage_offset() != 0 or not a.is_contiguous()):
-        return None
-    buf_a, buf_b = buffer_of(a), buffer_of(b)
-    if buf_a.dtype != a.dtype or buf_b.dtype != b.dtype:
-        return None
-    site = (a.dtype, ndim, d, tuple(a.shape[d + 1:]), tuple(b.shape))
-    first = _GROWING.setdefault(site, a.shape[d])
-    if first == a.shape[d] and buf_a.numel == a.numel():
-        return None  # not seen growing here (yet): an ordinary cat
-    shape = list(a.shape)
-    shape[d] += b.shape[d]
-    inner = math.prod(a.shape[d + 1:])
-    capacity = buckets.growth().capacity_for(shape[d]) * inner
-    buffers = [buf_a] if buf_b is buf_a else [buf_a, buf_b]
-    sizes = tuple(b.shape)
-    strides = tuple(0 if n == 1 else st for n, st in zip(sizes, b.stride()))
-    b_spec = ("T", buffers.index(buf_b), sizes, strides, b.storage_offset(), b.dtype)
-    slots = [(buf.numel, buf.dtype) for buf in buffers]
-    key = (tuple(slots), tuple(buf.value is None for buf in buffers), b_spec, capacity)
-    if site not in _GREW:
-        _GREW.add(site)
-        rt.stats["growing_tensors"] += 1
-    kernel = _APPENDS.get(key)
-    if kernel is None:
-        rt.stats["misses"] += 1
-        kernel = _APPENDS[key] = _Append(slots, b_spec, capacity, a.dtype)
-    else:
-        rt.stats["hits"] += 1
-    return kernel, [a, b], buffers, [a.numel()], tuple(shape)
-
-
-def _with_shape(flat: torch.Tensor, shape) -> torch.Tensor:
-    """A tensor of ``shape`` over ``flat``'s storage (its Buffer, which is longer: the capacity)."""
-    t = torch._C._acc.create_empty_tensor(tuple(shape), flat.dtype)  # noqa: SLF001
-    setattr(t.untyped_storage(), _ATTR, buffer_of(flat))
-    return t
-
-
 def result_of(kernel, leaves, fresh_tensors):
     kind, info = kernel.returns
     if kind == "single":
@@ -882,36 +791,20 @@ def result_of(kernel, leaves, fresh_tensors):
 
 # -- execution ---------------------------------------------------------------------------------------
 
-_CAT = aten.cat.default
-_GROWING_OPS = (_CAT, aten._scaled_dot_product_flash_attention_for_cpu.default)
-
-
 def _grown(mode, op, args, kwargs):
-    """A cat or an attention at a place where a tensor grows (token ids, a KV cache), or None."""
-    from tpudist.device import _grow
-
-    if op is _CAT:
-        append = _append_for(args, kwargs)
-        if append is not None:
-            kernel, leaves, buffers, scalars, shape = append
-            return _with_shape(_dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars), shape)
-        append = _grow.append_for(args, kwargs)
-        if append is not None:
-            kernel, leaves, buffers, scalars, shape, strides = append
-            flat = _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars)
-            return _grow.strided_over(flat, shape, strides)
+    """An op at a place where a tensor grows (token ids, a KV cache, its masks: ``_grow``), or None."""
+    planned = _grow.plan(op, args, kwargs)
+    if planned is None:
         return None
-    attention = _grow.attention_for(args, kwargs)
-    if attention is None:
-        return None
-    kernel, leaves, buffers, scalars = attention
-    return _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars)
+    kernel, leaves, buffers, scalars, finish = planned
+    result = _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars)
+    return result if finish is None else finish(result)
 
 
 def execute(op, args, kwargs):
     """Run one non-view op on tpu tensors in the current eager mode."""
     mode = rt.get_mode()
-    if op in _GROWING_OPS and rt.dynamic_scalars():
+    if (op in _grow.ALWAYS or _grow.CAPACITY) and rt.dynamic_scalars():
         grown = _grown(mode, op, args, kwargs)
         if grown is not None:
             return grown
@@ -1062,4 +955,4 @@ def copy_from_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
     execute(aten.copy_.default, (dst, tmp), {})
 
 
-from tpudist.device import _fused  # noqa: E402  (last: _fused imports names of this module)
+from tpudist.device import _fused, _grow  # noqa: E402  (last: both import names of this module)
