@@ -9,12 +9,14 @@ the first call (compiles) and the median of ``--rounds`` later calls, run in a r
 noise hits every mode alike. Printed per mode: median per-token decode time, its ratio to CPU eager,
 and the programs + kernels compiled per token (prefill excluded) in the first and the later calls.
 ``--hf`` adds a tiny Hugging Face Llama's ``generate(cache_implementation="static")`` (whole-call time
-per token, compiles including HF's own torch.compile of the decoding forward). Writes nothing.
+per token, compiles including HF's own torch.compile of the decoding forward) and its ``generate`` with
+the default dynamic cache (``torch.cat`` per token: grown caches on the device). Writes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import runpy
@@ -81,7 +83,16 @@ def _project(gen, a, new_tokens: int) -> None:
               f"{med / cpu:6.2f}x {warm_compiles[mode]:14.2f} {str(same):>13}")
 
 
-def _hf(gen, a, new_tokens: int) -> None:
+def _hf_dynamic(gen, model, prompt, new_tokens: int):
+    """(tokens, compiled) of HF greedy generate with its default dynamic cache (``torch.cat`` per token)."""
+    device = next(model.parameters()).device
+    before = gen["_compiled_with_dynamo"]()
+    out = model.generate(prompt.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=0).cpu()
+    return out[:, prompt.shape[1]:], gen["_compiled_with_dynamo"]() - before
+
+
+def _hf(gen, a, new_tokens: int, cache: str) -> None:
     torch.manual_seed(0)
     base = gen["_hf_model"]()
     models = {"cpu": base, **{m: copy.deepcopy(base).to("tpu") for m in MODES[1:]}}
@@ -92,7 +103,10 @@ def _hf(gen, a, new_tokens: int) -> None:
         times, compiles, outs = [], [], []
         for _ in range(1 + a.rounds):
             start = time.perf_counter()
-            if mode == "cpu":
+            if cache == "dynamic":
+                with torch.tpu.eager_mode(mode) if mode != "cpu" else contextlib.nullcontext():
+                    out, compiled = _hf_dynamic(gen, models[mode], prompt, new_tokens)
+            elif mode == "cpu":
                 out, _, compiled = gen["hf_generate"](models[mode], prompt, new_tokens, cache_len,
                                                       compile_forward=False)
             else:
@@ -103,7 +117,7 @@ def _hf(gen, a, new_tokens: int) -> None:
             outs.append(out)
         rows[mode] = (times[0], compiles[0], statistics.median(times[1:]), max(compiles[1:]), outs)
     cpu = rows["cpu"][2]
-    print(f"\nHF Llama (tiny) generate, static cache, {new_tokens} new tokens; whole call per token")
+    print(f"\nHF Llama (tiny) generate, {cache} cache, {new_tokens} new tokens; whole call per token")
     for mode, (t0, c0, tw, cw, outs) in rows.items():
         same = all(torch.equal(o, rows["cpu"][4][0]) for o in outs)
         print(f"  {mode:<7} first {t0 * 1e3:8.2f} ms/tok ({c0:.2f} comp/tok)  warm {tw * 1e3:8.2f} ms/tok "
@@ -118,8 +132,9 @@ def main(argv=None) -> None:
     for new_tokens in a.new_tokens:
         _project(gen, a, new_tokens)
     if a.hf:
-        for new_tokens in a.new_tokens:
-            _hf(gen, a, new_tokens)
+        for cache in ("static", "dynamic"):
+            for new_tokens in a.new_tokens:
+                _hf(gen, a, new_tokens, cache)
 
 
 if __name__ == "__main__":

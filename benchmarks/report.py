@@ -130,8 +130,9 @@ def parse_decode(out: str) -> dict:
     for line in out.splitlines():
         head = re.match(r"^(project model|HF Llama).*?(\d+) new tokens", line)
         if head:
+            cache = "dynamic" if "dynamic cache" in line else "static"
             current = {"model": "project (static KV cache)" if head.group(1) == "project model" else
-                       "HF Llama generate (static cache)", "new_tokens": int(head.group(2)), "modes": []}
+                       f"HF Llama generate ({cache} cache)", "new_tokens": int(head.group(2)), "modes": []}
             tables.append(current)
             continue
         cells = line.split()
