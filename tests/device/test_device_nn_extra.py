@@ -117,3 +117,39 @@ def test_data_dependent_ops_and_smoothed_weighted_cross_entropy_match_cpu(dev, m
 
     for name, (expected, got) in dev(_data_dependent_ops, mode).items():
         torch.testing.assert_close(got, expected, msg=name)
+
+
+def _multilabel_margin_losses(mode):
+    """F.multilabel_margin_loss of one sample (1-d) and of a batch, every reduction, forward and backward:
+    (CPU, tpu) pairs. torch's meta kernel gives one sample's unreduced loss the shape (1,), CPU ()."""
+    import torch
+    import torch.nn.functional as F
+
+    import tpudist.device  # noqa: F401
+
+    torch.manual_seed(0)
+    out = {}
+    cases = {"one_sample": [1, 3, -1, 0], "batch": [[4, -1, 0, 0, 0], [0, 1, 2, 3, 4], [-1, 0, 0, 0, 0]]}
+    with torch.tpu.eager_mode(mode):
+        for name, target in cases.items():
+            target = torch.tensor(target)
+            for reduction in ("none", "mean", "sum"):
+                x = torch.randn(*target.shape, requires_grad=True)
+                xd = x.detach().to("tpu").requires_grad_()
+                loss = F.multilabel_margin_loss(x, target, reduction=reduction)
+                loss_d = F.multilabel_margin_loss(xd, target.to("tpu"), reduction=reduction)
+                cotangent = torch.randn(loss.shape)
+                loss.backward(cotangent)
+                loss_d.backward(cotangent.to("tpu"))
+                out[f"{name}_{reduction}"] = (loss.detach(), loss_d.detach().cpu())
+                out[f"{name}_{reduction}_grad"] = (x.grad, xd.grad.cpu())
+    return out
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_multilabel_margin_loss_shapes_and_values_match_cpu(dev, mode):
+    import torch
+
+    for name, (expected, got) in dev(_multilabel_margin_losses, mode).items():
+        assert got.shape == expected.shape, (name, got.shape, expected.shape)  # () for one sample, not (1,)
+        torch.testing.assert_close(got, expected, msg=name)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tpudist.ops.lowerings._util import to_float, upcast
-from tpudist.ops.registry import lowers
+from tpudist.ops.registry import lowers, shapes_from_lowering
 
 aten = torch.ops.aten
 
@@ -253,8 +253,13 @@ def multilabel_margin_loss_forward(x, target, reduction):
     elif reduction == 2:
         loss = jnp.sum(per_row)
     else:
-        loss = per_row.reshape(x.shape[:-1] or (1,))  # torch's meta kernel: (1,) for one sample (CPU gives ())
-    return loss, is_target.astype(xf.dtype).reshape(target.shape)
+        loss = per_row.reshape(x.shape[:-1])  # () for one sample, as CPU (see shapes_from_lowering below)
+    return loss.astype(x.dtype), is_target.astype(x.dtype).reshape(target.shape)
+
+
+# torch 2.13's meta kernel gives an unreduced loss of one sample (1-d input) the shape (1,); its CPU
+# kernel, like this lowering, gives (): the device reads the result shapes off the lowering
+shapes_from_lowering(aten.multilabel_margin_loss_forward.default)
 
 
 # -- embedding bags ---------------------------------------------------------------------------------
