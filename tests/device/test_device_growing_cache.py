@@ -247,3 +247,24 @@ def test_hf_padded_batch_and_beam_search_compile_per_capacity(mode, search, hf_l
     assert torch.equal(tokens.cpu(), reference)
     per_step = [b - a for a, b in zip(steps.counts, steps.counts[1:])]
     assert per_step[5:] == [0] * len(per_step[5:]), per_step
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_variable_length_batches_stay_contiguous_like_cpu(mode):
+    """Training-style code whose lengths change from batch to batch (a suffix token cat onto fresh token
+    ids, a (b, h, n, d) cat, a length mask from arange(n)) is not a sequence being appended to: its
+    results stay contiguous exact tensors, so ``.view()`` works as on CPU. Before, the third length
+    turned them into strided views of a capacity and ``.view(-1)`` raised torch's stride error."""
+    for n in (5, 7, 9, 12):
+        got = {}
+        for device in ("cpu", "tpu"):
+            tokens = (torch.arange(2 * n, device=device).view(2, n) % 7)
+            eos = torch.full((2, 1), 9, device=device)
+            ids = torch.cat([tokens, eos], dim=1)
+            kv = torch.cat([torch.ones(2, 3, n, 4, device=device), torch.zeros(2, 3, 1, 4, device=device)], dim=2)
+            lengths = torch.tensor([n, n - 2], device=device)
+            mask = torch.arange(n, device=device)[None, :] < lengths[:, None]
+            got[device] = [(x.is_contiguous(), x.view(-1).cpu()) for x in (ids, kv, mask, mask.float() * 2)]
+        for (c_cpu, v_cpu), (c_tpu, v_tpu) in zip(got["cpu"], got["tpu"]):
+            assert c_tpu == c_cpu, n
+            torch.testing.assert_close(v_tpu, v_cpu)

@@ -49,6 +49,11 @@ ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
 ALWAYS = (aten.cat.default, ATTENTION, aten.arange.default)  # ops that may start growth (else: only on grown inputs)
 
 _FIRST_LENGTH: dict = {}  # (dtype, shape without the cat dim, dim, appended shape) -> first length seen
+# The lengths of a site's latest results (its keys and values, every layer's): a strided append grows
+# only onto one of them (a sequence continued, as a cache or its beam-reordered copy), so fresh tensors
+# of new lengths (a training batch: cat([tokens, eos])) stay ordinary cats with CPU's contiguous results
+_RESULT_LENGTHS: dict = {}
+_RESULT_LENGTHS_KEPT = 4
 _GREW: set = set()
 _KERNELS: dict = {}
 CAPACITY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # grown Buffer -> its capacity
@@ -165,12 +170,19 @@ def append_for(args, kwargs):
         return None  # a capacity along this dim would make the result non-contiguous (x.view() could fail)
     site = (a.dtype, tuple(a.shape[:d]), tuple(a.shape[d + 1:]), d, tuple(b.shape))
     first = _FIRST_LENGTH.setdefault(site, a.shape[d])
+    lengths = _RESULT_LENGTHS.setdefault(site, [])
+    continued = a.shape[d] in lengths
+    if a.shape[d] + b.shape[d] not in lengths:
+        lengths.append(a.shape[d] + b.shape[d])
+        del lengths[:-_RESULT_LENGTHS_KEPT]
     if first == a.shape[d]:
         return None  # not seen growing here (yet): an ordinary cat
     buf_a, buf_b = buffer_of(a), buffer_of(b)
+    a_capacity = capacity_of(a, d)
+    if a_capacity is None and not continued and any(n != 1 for n in a.shape[:d]):
+        return None  # a strided result, and a is not the last result continued: an ordinary cat
     if buf_a.dtype != a.dtype or buf_b.dtype != b.dtype:
         return None
-    a_capacity = capacity_of(a, d)
     length = a.shape[d] + b.shape[d]
     capacity = max(buckets.growth().capacity_for(length), a_capacity or 0)
     outer, inner = math.prod(a.shape[:d]), math.prod(a.shape[d + 1:])
@@ -448,8 +460,8 @@ def padded_for(op, args, kwargs):
 def _arange_for(op, leaves, treedef):
     """``torch.arange(n)`` whose ``n`` changes at the same place (a mask's key positions): grown along 0."""
     end = leaves[0]
-    if type(end) is not int or end < 2:
-        return None
+    if type(end) is not int or end < 2 or not CAPACITY:
+        return None  # only while something grows (decoding): a training step's arange(seq_len) stays exact
     site = (treedef, tuple(leaves[1:]), _caller())
     if _ARANGE_FIRST.setdefault(site, end) == end:
         return None
