@@ -518,6 +518,34 @@ def test_batch_norm_lowerings_match_cpu():
         assert compare(op(*args), run_on_jax(op, *args, jit=False), atol=1e-5) is None, (train, mask)
 
 
+@pytest.mark.parametrize("shape", [(4, 3, 5, 5), (1, 6, 12), (6, 4)], ids=["nchw", "one_sample", "one_value"])
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32], ids=["bf16_params", "f32_params"])
+def test_bf16_batch_norm_rounds_its_statistics_like_cpu(shape, param_dtype):
+    """bf16 batch norm, bit for bit with torch's CPU kernel: it keeps the batch statistics in the
+    parameters' dtype (bf16 unless a parameter is float32) and rounds the mean, the sum of squares,
+    the variance and rstd to it before normalizing and saving them, and updates bf16 running statistics
+    in bf16 arithmetic. Before, the lowering returned float32 saved statistics (the meta kernel's dtype)
+    computed without that rounding: outputs 1 bf16 ulp off (0.0156 at |x| ~ 3), saved mean 4.5e-3 and
+    rstd 8.4e-4 off, running mean up to 8e-3 off, and the OpInfo nn.functional.instance_norm bf16
+    sample 0.125 off."""
+    c = shape[1]
+    x = (torch.randn(shape, generator=g) * 3 + 2).bfloat16()
+    w, b = (torch.rand(c, generator=g) + 0.5).to(param_dtype), torch.randn(c, generator=g).to(param_dtype)
+    rm, rv = torch.randn(c, generator=g).to(param_dtype), (torch.rand(c, generator=g) + 0.5).to(param_dtype)
+    for op, args in ((aten._native_batch_norm_legit_functional.default, (x, w, b, rm, rv, True, 0.3, 1e-5)),
+                     (aten._native_batch_norm_legit_functional.default, (x, w, b, rm, rv, True, 0.1, 0.5)),
+                     (aten._batch_norm_with_update_functional.default, (x, w, b, rm, rv, 0.1, 1e-5)),
+                     (aten._native_batch_norm_legit.no_stats, (x, w, b, True, 0.1, 1e-5))):
+        expected, actual = op(*args), run_on_jax(op, *args, jit=False)
+        assert compare(expected[0], actual[0], atol=0, rtol=0) is None, (op, args[-1])
+        exact = {} if param_dtype == torch.float32 else {"atol": 0, "rtol": 0}  # float32: rounding order
+        assert compare(expected[1:], actual[1:], **exact) is None, (op, args[-1])
+    expected = aten._native_batch_norm_legit_no_training.default(x, w, b, rm, rv, 0.1, 1e-5)
+    actual = run_on_jax(aten._native_batch_norm_legit_no_training.default, x, w, b, rm, rv, 0.1, 1e-5, jit=False)
+    assert compare(expected[0], actual[0], atol=0, rtol=0) is None
+    assert [t.dtype for t in actual[1:]] == [param_dtype] * 2  # the running statistics, as CUDA (CPU: empty)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_sync_batch_norm_pieces_equal_batch_norm_over_the_union(dtype):
     """SyncBatchNorm's ops (CUDA-only in torch, so no CPU kernel to compare with) over two uneven parts

@@ -97,8 +97,6 @@ FLOAT32_REFERENCE = {("matrix_exp", torch.bfloat16): "CPU bf16 gives NaN on the 
 DTYPE_DEVIATIONS = {
     ("native_layer_norm", 1): "mean/rstd of bf16 input are float32, as torch's meta (and CUDA) kernel says",
     ("native_layer_norm", 2): "mean/rstd of bf16 input are float32, as torch's meta (and CUDA) kernel says",
-    ("native_batch_norm", 1): "saved mean/invstd of bf16 input are float32, as torch's meta kernel says",
-    ("native_batch_norm", 2): "saved mean/invstd of bf16 input are float32, as torch's meta kernel says",
 }
 
 

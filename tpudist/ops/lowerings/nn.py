@@ -7,14 +7,15 @@ two cannot drift apart.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import torch
 
-from tpudist.ops.lowerings._util import dim_of, to_float, upcast
-from tpudist.ops.registry import lowers
+from tpudist.ops.lowerings._util import dim_of, is_low_precision, to_float, upcast
+from tpudist.ops.registry import lowers, shapes_from_lowering
 from tpudist.ops.rng import next_key
 
 aten = torch.ops.aten
@@ -277,18 +278,44 @@ def native_layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight
 # so the device routes it to these (as torch does for functionalization), and the functional twins
 # return the new running statistics for the caller to write back. Statistics in float32, two passes
 # (torch's CPU kernel accumulates in double), output as x * scale + shift per channel like torch's.
+#
+# Dtypes are torch's CPU kernel's (aten/src/ATen/native/Normalization.cpp), not its meta kernel's
+# (CUDA's: float32 statistics for any low-precision input), so these ops are shapes_from_lowering:
+# the saved mean and invstd are in the "parameter dtype", float32 when a bf16/f16 input comes with a
+# float32 weight, bias or running statistic, else the input's dtype. In that low-precision dtype the
+# CPU kernel also rounds the batch statistics before using them (for the output, the saved statistics
+# and the running statistics), so a bf16 model's outputs, gradients and buffers depend on it. Measured
+# bit for bit against torch 2.13's CPU kernel (tests/ops/test_ops_lowerings.py).
 
 def _per_channel(x, v):
     return v.reshape((1, -1) + (1,) * (x.ndim - 2))
 
 
-def _bn_batch_stats(x, eps):
-    """(mean, biased var, rstd) per channel (dim 1) over every other dim."""
+def _bn_stats_dtype(x, *params):
+    """torch's CPU ``param dtype`` (``is_mixed_type`` in Normalization.cpp)."""
+    if is_low_precision(x.dtype) and any(p is not None and p.dtype == jnp.float32 for p in params):
+        return jnp.dtype(jnp.float32)
+    return x.dtype
+
+
+def _round_to(v, dtype):
+    return v.astype(dtype).astype(v.dtype) if is_low_precision(dtype) else v
+
+
+def _bn_batch_stats(x, eps, dtype):
+    """(mean, sum of squared deviations, rstd) per channel (dim 1) over every other dim, in float32,
+    rounded through ``dtype`` where torch's CPU kernel stores them in it: the mean, the sum of squares,
+    the variance (a bf16 sum divided by an int stays bf16) and rstd. Its channels-last kernel (also
+    taken when each channel has one value per sample) sums the squares around the rounded mean."""
     xf = _f(x)
     axes = (0, *range(2, x.ndim))
+    n = x.size // x.shape[1]
     mean = jnp.mean(xf, axis=axes)
-    var = jnp.mean(jnp.square(xf - _per_channel(x, mean)), axis=axes)
-    return mean, var, 1 / jnp.sqrt(var + eps)
+    rounded_mean = _round_to(mean, dtype)
+    center = rounded_mean if n == x.shape[0] else mean
+    var_sum = _round_to(jnp.sum(jnp.square(xf - _per_channel(x, center)), axis=axes), dtype)
+    rstd = _round_to(1 / jnp.sqrt(_round_to(var_sum / n, dtype) + eps), dtype)
+    return rounded_mean, var_sum, rstd
 
 
 def _bn_apply(x, mean, rstd, weight, bias):
@@ -297,25 +324,37 @@ def _bn_apply(x, mean, rstd, weight, bias):
     return _f(x) * _per_channel(x, scale) + _per_channel(x, shift)
 
 
-def _bn_update(x, var, mean, running_mean, running_var, momentum):
+def _bn_update(x, var_sum, mean, running_mean, running_var, momentum, dtype):
+    """New running statistics. In a low-precision ``dtype`` torch's CPU kernel runs this update in
+    that dtype's arithmetic (momentum and 1 - momentum rounded to it, bf16 * bf16 products rounded),
+    except that the unbiased variance is held in float32 (so its product with momentum is not rounded)."""
     n = x.size // x.shape[1]
-    unbiased = var * (n / (n - 1) if n > 1 else float("nan"))  # torch: var_sum / (n - 1), 0/0 for one value
-    return (momentum * mean + (1 - momentum) * upcast(running_mean),
-            momentum * unbiased + (1 - momentum) * upcast(running_var))
+    unbiased = var_sum / (n - 1) if n > 1 else var_sum * float("nan")  # torch: var_sum / (n - 1), 0/0 for one
+    r = functools.partial(_round_to, dtype=dtype)
+    keep, take = r(jnp.float32(1 - momentum)), r(jnp.float32(momentum))
+    return (r(r(take * mean) + r(keep * upcast(running_mean))).astype(running_mean.dtype),
+            r(take * r(unbiased) + r(keep * upcast(running_var))).astype(running_var.dtype))
+
+
+def _bn_train(x, weight, bias, running_mean, running_var, eps):
+    dtype = _bn_stats_dtype(x, weight, bias, running_mean, running_var)
+    mean, var_sum, rstd = _bn_batch_stats(x, eps, dtype)
+    out = _bn_apply(x, mean, rstd, weight, bias).astype(x.dtype)
+    return out, mean.astype(dtype), rstd.astype(dtype), var_sum, mean, dtype
 
 
 def _bn_eval(x, weight, bias, running_mean, running_var, eps):
+    dtype = _bn_stats_dtype(x, weight, bias, running_mean, running_var)
     mean, rstd = upcast(running_mean), 1 / jnp.sqrt(upcast(running_var) + eps)
-    return _bn_apply(x, mean, rstd, weight, bias), mean, rstd
+    return _bn_apply(x, mean, rstd, weight, bias).astype(x.dtype), mean.astype(dtype), rstd.astype(dtype)
 
 
 @lowers(aten._native_batch_norm_legit_functional.default)
 def native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
     if not training:
         return (*_bn_eval(x, weight, bias, running_mean, running_var, eps), running_mean, running_var)
-    mean, var, rstd = _bn_batch_stats(x, eps)
-    return (_bn_apply(x, mean, rstd, weight, bias), mean, rstd,
-            *_bn_update(x, var, mean, running_mean, running_var, momentum))
+    out, save_mean, save_rstd, var_sum, mean, dtype = _bn_train(x, weight, bias, running_mean, running_var, eps)
+    return (out, save_mean, save_rstd, *_bn_update(x, var_sum, mean, running_mean, running_var, momentum, dtype))
 
 
 @lowers(aten._native_batch_norm_legit.no_stats)
@@ -323,8 +362,7 @@ def native_batch_norm_legit_no_stats(x, weight, bias, training, momentum, eps):
     if not training:  # torch 2.13's CPU kernel crashes here (segfault); nn modules never ask for it
         raise ValueError("_native_batch_norm_legit.no_stats with training=False has no statistics to normalize "
                          "with: pass running_mean/running_var, or training=True for batch statistics")
-    mean, _, rstd = _bn_batch_stats(x, eps)
-    return _bn_apply(x, mean, rstd, weight, bias), mean, rstd
+    return _bn_train(x, weight, bias, None, None, eps)[:3]
 
 
 @lowers(aten._native_batch_norm_legit_no_training.default)
@@ -342,6 +380,12 @@ def batch_norm_with_update_functional(x, weight, bias, running_mean, running_var
 @lowers(aten._batch_norm_no_update.default)
 def batch_norm_no_update(x, weight, bias, running_mean, running_var, momentum, eps):
     return (*_bn_eval(x, weight, bias, running_mean, running_var, eps), jnp.zeros((0,), jnp.uint8))
+
+
+shapes_from_lowering(aten._native_batch_norm_legit.default, aten._native_batch_norm_legit_functional.default,
+                     aten._native_batch_norm_legit.no_stats, aten._native_batch_norm_legit_no_training.default,
+                     aten._batch_norm_with_update.default, aten._batch_norm_with_update_functional.default,
+                     aten._batch_norm_no_update.default)
 
 
 @lowers(aten.native_batch_norm_backward.default)
