@@ -270,3 +270,60 @@ def dcp_resume(device: str, directory: str) -> dict:
     devices = sorted({str(p.to_local().device) for p in model2.parameters()})
     return {"losses": losses, "resumed_losses": resumed_losses, "straight": straight, "resumed": _full(model2),
             "devices": devices}
+
+
+def state_dict_round_trips(device: str, directory: str) -> dict:
+    """What users do with an FSDP2 model's state outside ``dcp.save``: a full CPU state dict on rank 0
+    (``StateDictOptions(full_state_dict=True, cpu_offload=True)``, to write a Hugging Face checkpoint),
+    loading a full state dict that only rank 0 holds into a fresh sharded model
+    (``broadcast_from_rank0=True``), and ``dcp.async_save`` then ``dcp.load``; if ``async_save`` of the
+    model's own state dict raises, its error is returned and the state dict offloaded to the CPU
+    (``StateDictOptions(cpu_offload=True)``) is saved instead. Returns what each saw."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+    from torch.distributed.fsdp import fully_shard
+
+    import tpudist.device  # noqa: F401
+
+    mesh = _mesh(device)
+    inputs, targets = _batches(1)[0]
+
+    def build(seed_shift: int = 0):
+        model = _llama()
+        if seed_shift:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(seed_shift)
+        model = model.to(device)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    F.cross_entropy(model(inputs.to(device)).flatten(0, 1), targets.to(device).flatten()).backward()
+    opt.step()
+    out = {"trained": _full(model)}
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out["full_devices"] = sorted({str(v.device) for v in full.values()})
+    out["full"] = {k: v.clone() for k, v in full.items()}
+    fresh = build(seed_shift=1)
+    set_model_state_dict(fresh, full if dist.get_rank() == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    out["broadcast"] = _full(fresh)
+    out["broadcast_devices"] = sorted({str(p.to_local().device) for p in fresh.parameters()})
+    try:
+        dcp.async_save({"model": get_model_state_dict(model)}, checkpoint_id=directory).result()
+    except RuntimeError as e:  # returned: the ranks stay up for the next test
+        out["async_error"] = f"{type(e).__name__}: {e}"
+        offloaded = get_model_state_dict(model, options=StateDictOptions(cpu_offload=True))
+        out["offloaded_types"] = sorted({f"{type(v).__name__}:{getattr(v, 'device', '')}" for v in offloaded.values()})
+        dcp.async_save({"model": offloaded}, checkpoint_id=directory).result()
+    other = build(seed_shift=2)
+    state = {"model": get_model_state_dict(other)}
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(other, state["model"])
+    out["async"] = _full(other)
+    return out
