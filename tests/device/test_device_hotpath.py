@@ -34,6 +34,8 @@ def _cases():
         ("python int", lambda t: t["a"] + 3),
         ("cpu 0-dim float", lambda t: t["a"] * torch.tensor(1.5)),
         ("cpu 0-dim int", lambda t: t["i"] + torch.tensor(7)),
+        ("cpu 0-dim bool", lambda t: t["a"] * torch.tensor(True)),
+        ("cpu 0-dim float64 into float32", lambda t: t["a"] + torch.tensor(0.1, dtype=torch.float64)),
         ("conj bit", lambda t: t["c"].conj() + t["c"]),
         ("neg bit on a real view", lambda t: t["c"].conj().imag + t["a"][:, :4]),
         ("list argument", lambda t: torch.cat([t["a"], t["b"]], dim=1)),
@@ -147,3 +149,31 @@ def test_unsafe_view_is_metadata_only(dev):
     for mode, (num_ops, value) in out.items():
         assert num_ops == 2, (mode, num_ops)
         torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5)
+
+
+def _random_and_mismatch(mode):
+    import tpudist.device  # noqa: F401
+
+    x = torch.ones(256, device="tpu")
+    out = {}
+    with torch.tpu.eager_mode(mode):
+        torch.tpu.manual_seed(3)
+        masks = [torch.nn.functional.dropout(x, 0.5) for _ in range(3)]  # one draw of the counter each
+        out["masks"] = [m.cpu() for m in masks]
+        try:
+            x + torch.ones(256)  # a CPU tensor that is not a 0-dim scalar
+        except RuntimeError as e:
+            out["mismatch"] = str(e)
+    return out
+
+
+def test_random_ops_draw_once_per_op_and_host_tensors_are_refused(dev):
+    """Fused records a random op's counter where Strict draws it at the call: the same seed gives the
+    same masks in both modes, each op a fresh one; a CPU tensor that is not a scalar is refused in both."""
+    strict, fused = dev(_random_and_mismatch, "strict"), dev(_random_and_mismatch, "fused")
+    for a, b in zip(strict["masks"], fused["masks"]):
+        assert torch.equal(a, b)
+    assert not torch.equal(strict["masks"][0], strict["masks"][1])
+    assert not torch.equal(strict["masks"][1], strict["masks"][2])
+    for out in (strict, fused):
+        assert "Expected all tensors to be on the same device" in out.get("mismatch", ""), out.get("mismatch")

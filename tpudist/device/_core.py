@@ -33,8 +33,8 @@ from tpudist.device import _runtime as rt
 from tpudist.device import views
 from tpudist.device._debug import check_indices, check_nans
 from tpudist.device._storage import (  # noqa: F401  (re-exported: the kernels module uses them from here)
-    _ATTR, X64, Buffer, Lazy, _retype, buffer_of, flush, from_cpu, is_tpu, new_tensor, tensor_over, to_cpu, to_jax,
-    to_torch, value_of,
+    _ATTR, X64, Buffer, Lazy, _create_empty, _retype, buffer_of, flush, from_cpu, is_tpu, new_tensor, tensor_over,
+    to_cpu, to_jax, to_torch, value_of,
 )
 
 aten = torch.ops.aten
@@ -76,6 +76,7 @@ class Kernel:
         self.out_names = {a.name for a in op._schema.arguments if a.is_out}  # noqa: SLF001
         self.single = len(functional._schema.returns) == 1  # noqa: SLF001
         self.jitted = jax.jit(self._run)  # no defaulted parameters: those take jit's slow path
+        self.jitted_plain = jax.jit(self._run_plain)
         rt.stats["kernels"] += 1
 
     def __repr__(self):
@@ -110,6 +111,9 @@ class Kernel:
 
     def _run(self, arrays, sc):
         return self.trace(arrays, sc)
+
+    def _run_plain(self, arrays):
+        return self.trace(arrays, None)  # a call without runtime scalars: nothing may index them
 
     def storages(self, arrays):
         """The flat storages the kernel reads: ``arrays``, with zeros for a storage never written."""
@@ -272,7 +276,9 @@ def _signature(op, args, kwargs, static_floats: bool):
     """(key, slot buffers, scalar values) of one call; leaves are described, not copied.
 
     This runs for every op (it is most of an op's host cost in Fused mode): one pass over the leaves,
-    no pytree, each tensor's facts read once.
+    no pytree, each tensor's facts read once (each read is a C call of ~60-160 ns, the floor of this
+    function: benchmarks/device_step.py prints it). A tensor's storage without a device buffer is a
+    host tensor (a CPU scalar) or a foreign one: looked at only then.
     """
     if kwargs:
         leaves, treedef = flatten_args(args, kwargs)
@@ -292,35 +298,27 @@ def _signature(op, args, kwargs, static_floats: bool):
     slots: list = []
     scalars: list[float] = []
     for x in leaves:
-        if isinstance(x, torch.Tensor):
-            if not x.is_cpu:
-                buf = getattr(x.untyped_storage(), _ATTR, None)
-                if buf is None:
-                    raise _device_mismatch(op, x)
-                slot = slot_of.get(buf)
-                if slot is None:
-                    slot = slot_of[buf] = len(buffers)
-                    buffers.append(buf)
-                    slots.append((buf.numel, buf.dtype, buf.value is None))
-                # torch.Size hashes and compares as the tuple it is (_build keeps plain tuples)
-                sizes, strides, dtype = x.shape, x.stride(), x.dtype
-                if 1 in sizes:  # a size-1 dim's stride is never used: one key for x[:, -1:] of any length
-                    strides = tuple(0 if n == 1 else st for n, st in zip(sizes, strides))
-                # torch's conj fallback reaches us with the bit still set; only complex tensors carry
-                # the conj bit, any dtype the neg bit (x.conj().imag)
-                if x.is_neg() or (dtype.is_complex and x.is_conj()):
-                    sig.append(("B", slot, tuple(sizes), strides, x.storage_offset(), dtype, x.is_conj(),
-                                x.is_neg()))
-                else:
-                    sig.append(("T", slot, sizes, strides, x.storage_offset(), dtype))
-            elif x.dim() == 0 and x.device.type == "cpu":
-                if x.dtype.is_floating_point and not static_floats:
-                    sig.append(("C", len(scalars), x.dtype))
-                    scalars.append(float(x.item()))
-                else:
-                    sig.append(("I", x.item(), x.dtype))
+        if isinstance(x, _Tensor):
+            buf = getattr(x.untyped_storage(), _ATTR, None)
+            if buf is None:
+                sig.append(_host_spec(op, x, scalars, static_floats))
+                continue
+            slot = slot_of.get(buf)
+            if slot is None:
+                slot = slot_of[buf] = len(buffers)
+                buffers.append(buf)
+                slots.append((buf.numel, buf.dtype, buf.value is None))
+            # torch.Size hashes and compares as the tuple it is (_build keeps plain tuples)
+            sizes, strides, dtype = x.shape, x.stride(), x.dtype
+            if 1 in sizes:  # a size-1 dim's stride is never used: one key for x[:, -1:] of any length
+                strides = tuple(0 if n == 1 else st for n, st in zip(sizes, strides))
+            # torch's conj fallback reaches us with the bit still set; only complex tensors carry
+            # the conj bit, any dtype the neg bit (x.conj().imag)
+            if x.is_neg() or (dtype in _COMPLEX and x.is_conj()):
+                sig.append(("B", slot, tuple(sizes), strides, x.storage_offset(), dtype, x.is_conj(),
+                            x.is_neg()))
             else:
-                raise _device_mismatch(op, x)
+                sig.append(("T", slot, sizes, strides, x.storage_offset(), dtype))
         elif x.__class__ is float and not static_floats:
             sig.append(("F", len(scalars)))
             scalars.append(x)
@@ -330,6 +328,20 @@ def _signature(op, args, kwargs, static_floats: bool):
             sig.append(("S", x if not isinstance(x, list) else tuple(x)))
     key = (id(op), treedef, tuple(sig), tuple(slots), static_floats)  # id: OpOverload.__hash__ is Python
     return key, leaves, buffers, scalars
+
+
+def _host_spec(op, x, scalars, static_floats):
+    """The spec of a tensor argument without a device buffer: a CPU 0-dim scalar, else a device mismatch."""
+    if not x.is_cpu or x.dim() != 0:
+        raise _device_mismatch(op, x)
+    if x.dtype.is_floating_point and not static_floats:
+        scalars.append(float(x.item()))
+        return ("C", len(scalars) - 1, x.dtype)
+    return ("I", x.item(), x.dtype)
+
+
+_Tensor = torch.Tensor
+_COMPLEX = frozenset((torch.complex32, torch.complex64, torch.complex128))
 
 
 _FLAT_TREEDEFS: dict = {}
@@ -560,6 +572,11 @@ def _hash_code(code) -> str:
 def kernel_for(op, args, kwargs):
     static = id(op) in _STATIC_FLOAT_OPS
     key, leaves, buffers, scalars = _signature(op, args, kwargs, static)
+    return _resolve(op, args, kwargs, static, key, leaves, buffers, scalars)
+
+
+def _resolve(op, args, kwargs, static, key, leaves, buffers, scalars):
+    """(kernel, leaves, buffers, scalars) of a call's signature: cached, generalised or built."""
     dynamic = rt.dynamic_scalars()
     kernel = _KERNELS.get(key)
     if kernel.__class__ is _Generalised:
@@ -802,21 +819,37 @@ def _grown(mode, op, args, kwargs):
 
 
 def execute(op, args, kwargs):
-    """Run one non-view op on tpu tensors in the current eager mode."""
+    """Run one non-view op on tpu tensors in the current eager mode.
+
+    The hot path of every op: a cache hit goes from the signature to the recorder (Fused) or the
+    jitted kernel (Strict) with no other call; anything else goes through ``_resolve``.
+    """
     mode = rt.get_mode()
-    if (op in _grow.ALWAYS or _grow.CAPACITY) and rt.dynamic_scalars():
+    # the weak dict's own ``__len__`` is Python code (~0.2 us an op); its dict is what it holds (an
+    # entry whose buffer just died only sends the op through _grow.plan, which finds nothing grown)
+    if (op in _grow.ALWAYS or _grow.CAPACITY.data) and rt.dynamic_scalars():
         grown = _grown(mode, op, args, kwargs)
         if grown is not None:
             return grown
-    try:
-        kernel, leaves, buffers, scalars = kernel_for(op, args, kwargs)
-    except _DataDependent:
-        return run_concrete(op, args, kwargs)
-    except tops.UnsupportedOp as missing:
-        if rt.cpu_fallback():
-            _check_cpu_kernel(op, missing)
-            return run_on_cpu(op, args, kwargs)
-        raise
+    static = id(op) in _STATIC_FLOAT_OPS
+    key, leaves, buffers, scalars = _signature(op, args, kwargs, static)
+    kernel = _KERNELS.get(key)
+    if kernel is None or kernel.__class__ is _Generalised:
+        try:
+            kernel, leaves, buffers, scalars = _resolve(op, args, kwargs, static, key, leaves, buffers, scalars)
+        except _DataDependent:
+            return run_concrete(op, args, kwargs)
+        except tops.UnsupportedOp as missing:
+            if rt.cpu_fallback():
+                _check_cpu_kernel(op, missing)
+                return run_on_cpu(op, args, kwargs)
+            raise
+    else:
+        rt.stats["hits"] += 1
+    if mode == "fused":
+        if kernel.random:
+            scalars = scalars + list(rt.next_rng())
+        return _fused.record(kernel, leaves, buffers, scalars)
     return _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars)
 
 
@@ -825,18 +858,21 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
         scalars = scalars + list(rt.next_rng())
     if mode == "fused":
         return _fused.record(kernel, leaves, buffers, scalars)
+    arrays = []
     for b in buffers:
-        if b.value.__class__ is Lazy:
+        v = b.value
+        if v.__class__ is Lazy:
             flush()
+            arrays = [b.value for b in buffers]
             break
+        arrays.append(v)
     if mode == "debug":
         check_indices(op, args, kwargs)
-    sc = np.asarray(scalars, _F64) if scalars else _NO_SCALARS
-    arrays = [b.value for b in buffers]
     try:
         prev = X64.swap_local(True)  # what jax.enable_x64(True) does, without a context manager per op
         try:
-            outs = kernel.jitted(arrays, sc)
+            # no scalars: no float64 vector to put on the device per call (the kernel never reads one)
+            outs = kernel.jitted(arrays, np.asarray(scalars, _F64)) if scalars else kernel.jitted_plain(arrays)
         finally:
             X64.set_local(prev)
         if mode == "debug":
@@ -844,13 +880,18 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
     except Exception as e:
         raise type(e)(f"{op} failed on the tpu device: {e}") from e
     rt.stats["ops"] += 1
-    for slot, value in zip(kernel.written_slots, outs):
-        buffers[slot].value = value
-    fresh = [tensor_over(Buffer(numel, dtype, value), shape)
-             for (shape, dtype, numel), value in zip(kernel.outputs, outs[kernel.num_written:])]
+    num_written = kernel.num_written
+    if num_written:
+        for slot, value in zip(kernel.written_slots, outs):
+            buffers[slot].value = value
+    fresh = []
+    for (shape, dtype, numel), value in zip(kernel.outputs, outs[num_written:] if num_written else outs):
+        t = _create_empty(shape, dtype)  # tensor_over, inlined: this runs for every output of every op
+        t.untyped_storage()._tpudist_buffer = Buffer(numel, dtype, value)
+        fresh.append(t)
     if mode == "debug" and rt.nan_check():
         check_nans(op, outs)
-    return result_of(kernel, leaves, fresh)
+    return fresh[0] if kernel.single_result else result_of(kernel, leaves, fresh)
 
 
 def run_concrete(op, args, kwargs):

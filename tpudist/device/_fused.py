@@ -67,31 +67,33 @@ def record(kernel, leaves, buffers, scalars):
                 idx = g.input_of[id(v)] = len(g.inputs)
                 g.inputs.append(v)
             refs.append(-1 - idx)
-    refs = tuple(refs)
-    base = len(g.scalars)
+    nodes = g.nodes
+    nodes.append((kernel, tuple(refs), len(g.scalars)))
     if scalars:
         g.scalars.extend(scalars)
-    g.nodes.append((kernel, refs, base))
     index = g.num_values
     written = g.written
-    for slot in kernel.written_slots:
-        b = buffers[slot]
-        b.value = Lazy(g, index)
-        written.append(weakref.ref(b))
-        index += 1
+    if kernel.num_written:
+        for slot in kernel.written_slots:
+            b = buffers[slot]
+            b.value = Lazy(g, index)
+            written.append(_weakref(b))
+            index += 1
     fresh = []
     for shape, dtype, numel in kernel.outputs:
         b = Buffer(numel, dtype, Lazy(g, index))
         t = _create_empty(shape, dtype)  # tensor_over, inlined: this runs for every output of every op
         t.untyped_storage()._tpudist_buffer = b
         fresh.append(t)
-        written.append(weakref.ref(b))
+        written.append(_weakref(b))
         index += 1
     g.num_values = index
-    out = fresh[0] if kernel.single_result else result_of(kernel, leaves, fresh)
-    if len(g.nodes) >= g.cap:
+    if len(nodes) >= g.cap:
         flush()
-    return out
+    return fresh[0] if kernel.single_result else result_of(kernel, leaves, fresh)
+
+
+_weakref = weakref.ref
 
 
 def _program(nodes, live):
