@@ -1216,6 +1216,25 @@ def test_upsample_vec_overloads_match_cpu(case):
     assert compare(op(x, *rest), got, atol=1e-5) is None
 
 
+@pytest.mark.parametrize("align_corners", [False, True])
+@pytest.mark.parametrize("padding_mode", [0, 1, 2], ids=["zeros", "border", "reflection"])
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["bilinear", "nearest", "bicubic"])
+def test_grid_sampler_2d_backward_matches_cpu(mode, padding_mode, align_corners):
+    """F.grid_sample's backward had no lowering (a spatial transformer raised UnsupportedOp on the
+    device). The grid is an identity affine grid (a spatial transformer's initial theta: with
+    align_corners=True its corners sit exactly on the clamp bounds, where ATen's CPU kernel passes no
+    gradient and a vjp through torch.clamp passes half), plus random points inside and outside."""
+    x = _t(2, 3, 5, 6)
+    theta = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]).expand(2, 2, 3)
+    identity = torch.nn.functional.affine_grid(theta, [2, 3, 4, 5], align_corners=align_corners)
+    grid = torch.cat([identity, _t(2, 4, 5, 2, low=-1.4, high=1.4)], dim=1)
+    grad = _t(2, 3, 8, 5)
+    args = (grad, x, grid, mode, padding_mode, align_corners, [True, True])
+    op = aten.grid_sampler_2d_backward.default
+    # atol: a bicubic grid gradient sums 16 taps per channel; its largest entries are ~60 here
+    assert compare(op(*args), run_on_jax(op, *args), atol=1e-4) is None
+
+
 # -- counting (tpudist/ops/lowerings/counting.py) ---------------------------------------------------
 
 _V, _K = _t(50, low=-3, high=3), _t(20, dtype=torch.int64, low=0, high=6)

@@ -255,3 +255,86 @@ def upsample_bicubic2d_aa_vec(x, output_size, align_corners, scale_factors):
 @lowers(aten._upsample_bicubic2d_aa_backward.default)
 def upsample_bicubic2d_aa_backward(grad, output_size, input_size, align_corners, scales_h=None, scales_w=None):
     return _backward("cubic_aa", grad, output_size, input_size, align_corners, _scales(scales_h, scales_w))
+
+
+# -- grid sampling (F.grid_sample): the forward is torch's decomposition -------------------------------
+# Its backward is a vjp. For bilinear sampling that vjp runs through the lowering below, not through the
+# decomposition: the decomposition clamps border/reflection coordinates with torch.clamp, whose JAX
+# derivative at the clamp's bounds is 1/2 (max/min ties), while ATen's CPU kernel passes 0 there ("borders
+# are considered out of bounds"). An identity affine grid with align_corners=True puts the image's
+# corners exactly on those bounds (measured: grid gradient 33% of its largest entry off there).
+
+def _unnormalize(coord, size, align_corners):
+    """ATen's vectorized CPU unnormalize (GridSamplerKernel.cpp ComputeLocationBase)."""
+    if align_corners:
+        return (coord + 1) * _F32((size - 1) / 2)
+    return (coord + 1) * _F32(size / 2) - _F32(0.5)
+
+
+def _clip_coordinates(v, size):
+    """clamp to [0, size - 1] with the gradient of ATen's vectorized CPU kernel (GridSamplerKernel.cpp
+    clip_coordinates_get_grad): 1 strictly inside, 0 outside and on the bounds."""
+    import jax
+
+    inside = (v > 0) & (v < size - 1)
+    return jnp.where(inside, v, jax.lax.stop_gradient(jnp.clip(v, 0, size - 1)))
+
+
+def _reflect_coordinates(v, twice_low, twice_high):
+    """ATen's reflect_coordinates_set_grad: the gradient is +-1 by the number of reflections."""
+    if twice_low == twice_high:
+        return jnp.zeros_like(v)
+    low, span = _F32(twice_low / 2), _F32((twice_high - twice_low) / 2)
+    d = v - low
+    d = jnp.where(d < 0, -d, d)  # |d| with gradient +1 at 0, as ATen
+    import jax
+
+    extra = d - jax.lax.stop_gradient(d - jnp.fmod(d, span))
+    even = jnp.floor(d / span).astype(jnp.int32) % 2 == 0
+    return jnp.where(even, extra + low, span - extra + low)
+
+
+def _source_index(coord, size, padding_mode, align_corners):
+    v = _unnormalize(coord, size, align_corners)
+    if padding_mode == 1:  # border
+        return _clip_coordinates(v, size)
+    if padding_mode == 2:  # reflection
+        bounds = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+        return _clip_coordinates(_reflect_coordinates(v, *bounds), size)
+    return v
+
+
+def _bilinear_grid_sample(x, grid, padding_mode, align_corners):
+    """grid_sampler_2d's bilinear mode, (N, C, H, W) sampled at (N, oH, oW, 2) -> (N, C, oH, oW)."""
+    n, _, h, w = x.shape
+    ix = _source_index(grid[..., 0], w, padding_mode, align_corners)
+    iy = _source_index(grid[..., 1], h, padding_mode, align_corners)
+    x0, y0 = jnp.floor(ix), jnp.floor(iy)
+    batch = jnp.arange(n)[:, None, None]
+    out = 0
+    for tx, ty, weight in ((x0, y0, (x0 + 1 - ix) * (y0 + 1 - iy)), (x0 + 1, y0, (ix - x0) * (y0 + 1 - iy)),
+                           (x0, y0 + 1, (x0 + 1 - ix) * (iy - y0)), (x0 + 1, y0 + 1, (ix - x0) * (iy - y0))):
+        valid = (tx >= 0) & (tx < w) & (ty >= 0) & (ty < h)
+        xi = jnp.clip(tx, 0, w - 1).astype(jnp.int32)
+        yi = jnp.clip(ty, 0, h - 1).astype(jnp.int32)
+        out = out + x[batch, :, yi, xi] * jnp.where(valid, weight, 0)[..., None]  # (N, oH, oW, C)
+    return jnp.moveaxis(out, -1, 1)
+
+
+@lowers(aten.grid_sampler_2d_backward.default)
+def grid_sampler_2d_backward(grad_output, x, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    """Gradients of ``grid_sampler_2d`` w.r.t. the input and the grid, in float32: the vjp of the
+    forward (bilinear: the lowering above; nearest and bicubic: torch's decomposition, whose clamps
+    act on integer tap positions only). Nearest sampling gives the grid no gradient, as ATen."""
+    import jax
+
+    from tpudist.ops.interpret import call
+
+    def forward(x, grid):
+        if interpolation_mode == 0:
+            return _bilinear_grid_sample(x, grid, padding_mode, align_corners)
+        return call(aten.grid_sampler_2d.default, x, grid, interpolation_mode, padding_mode, align_corners)
+
+    out, pullback = jax.vjp(forward, x.astype(jnp.float32), grid.astype(jnp.float32))
+    grad_x, grad_grid = pullback(grad_output.astype(out.dtype))
+    return grad_x.astype(x.dtype) if output_mask[0] else None, grad_grid.astype(grid.dtype)
