@@ -10,6 +10,8 @@
   scale's growth and back-off, as on the CPU.
 - CPU index tensors into a device tensor (``x[cpu_index]``, ``x[cpu_index] = v``), which CUDA accepts
   and HF BEiT relies on; other CPU tensor arguments stay a device-mismatch error.
+- ``DataLoader(pin_memory=True)`` (Hugging Face's Trainer default) and ``Tensor.pin_memory()``: torch
+  asks the PrivateUse1 hooks for a pinned allocator a Python backend cannot give (NotImplementedError).
 
 All cases run in one worker process that installs the device (it renames PrivateUse1 for the process).
 """
@@ -176,6 +178,35 @@ def run_grad_scaler(mode: str) -> dict:
     return out
 
 
+def run_pinned_loader(mode: str) -> dict:
+    import tpudist.device  # noqa: F401
+    from torch.utils.data import DataLoader, TensorDataset
+
+    xs, ys = torch.randn(10, 3), torch.arange(10)
+    out = {"batches": [], "pinned": []}
+    with torch.tpu.eager_mode(mode):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1).to("tpu")
+        for x, y in DataLoader(TensorDataset(xs, ys), batch_size=4, pin_memory=True):
+            out["pinned"].append((x.is_pinned(), y.is_pinned()))
+            x, y = x.to("tpu", non_blocking=True), y.to("tpu", non_blocking=True)
+            out["batches"].append((model(x).detach().cpu(), y.cpu()))
+    plain = torch.randn(2, 5)
+    pinned = plain.t().pin_memory()
+    out["plain_is_pinned"] = plain.is_pinned()
+    out["pinned"] += [(pinned.is_pinned(), pinned[1:].is_pinned())]  # a view of pinned memory is pinned
+    out["copy"] = (torch.equal(pinned, plain.t()), pinned.stride() == plain.t().stride(),
+                   pinned.data_ptr() != plain.data_ptr(), pinned.pin_memory() is pinned)
+    del pinned
+    out["after_free"] = torch.randn(2, 5).t().is_pinned()  # memory at a freed pinned address is not pinned
+    try:
+        plain.pin_memory("cuda")
+    except ValueError as e:
+        out["bad_device"] = str(e)
+    out["cpu_reference"] = [torch.nn.Linear(3, 1) for _ in [torch.manual_seed(0)]][0](xs).detach()
+    return out
+
+
 def _flat(obj, prefix=""):
     if isinstance(obj, dict):
         return {k2: v2 for k, v in obj.items() for k2, v2 in _flat(v, f"{prefix}{k}.").items()}
@@ -241,3 +272,15 @@ def test_grad_scaler_with_autocast_steps_like_cpu(dev, mode):
     assert out["tpu"][0] == out["cpu"][0] == [2.0 ** 16, 2.0 ** 17, 2.0 ** 16, 2.0 ** 16, 2.0 ** 17]
     for got, want in zip(out["tpu"][1], out["cpu"][1]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_pinned_dataloader_batches_equal_cpu(dev, mode):
+    out = dev(run_pinned_loader, mode)
+    got = torch.cat([b[0] for b in out["batches"]])
+    torch.testing.assert_close(got, out["cpu_reference"], rtol=1e-6, atol=1e-6)
+    assert torch.equal(torch.cat([b[1] for b in out["batches"]]), torch.arange(10))
+    assert out["pinned"] == [(True, True)] * 4  # 3 batches, then a pinned tensor and its view
+    assert out["plain_is_pinned"] is False and out["after_free"] is False
+    assert out["copy"] == (True, True, True, True)
+    assert "pinned for 'tpu' only" in out["bad_device"]
