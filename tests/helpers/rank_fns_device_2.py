@@ -52,9 +52,10 @@ def _full(model) -> dict[str, torch.Tensor]:
 
 def fsdp(case: str, device: str) -> dict:
     """FSDP2 ``fully_shard`` per block and on the root of the small Llama, 3 SGD steps, with ``case``:
-    "mp" (bf16 parameters, fp32 gradient reduction), "accum" (2 micro-batches per step, the first
-    without gradient sync), "ac" (``checkpoint_wrapper`` on each block), "ac_fn"
-    (``torch.utils.checkpoint`` inside a block's forward), "offload" (``CPUOffloadPolicy``)."""
+    "mp" (bf16 parameters, fp32 gradient reduction), "mp_bf16_reduce" (bf16 parameters and reduction),
+    "accum" (2 micro-batches per step, the first without gradient sync), "ac" (``checkpoint_wrapper`` on
+    each block), "ac_fn" (``torch.utils.checkpoint`` inside a block's forward), "offload"
+    (``CPUOffloadPolicy(pin_memory=False)``), "offload_pinned" (its default ``pin_memory=True``)."""
     import tpudist.device  # noqa: F401
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -63,6 +64,8 @@ def fsdp(case: str, device: str) -> dict:
     kwargs = {}
     if case == "mp":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if case == "mp_bf16_reduce":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # gradients reduced in bf16
     if case.startswith("offload"):
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=case == "offload_pinned")
     if case == "ac":
@@ -120,7 +123,8 @@ def ddp(case: str, device: str) -> dict:
     """DDP of a small MLP over the world group, 3 SGD steps, with ``case``: "no_sync" (2 micro-batches,
     the first under ``no_sync()``), "unused" (``find_unused_parameters=True``, a branch never taken),
     "static" (``static_graph=True``, with the branch never taken), "bucket_view"
-    (``gradient_as_bucket_view=True``, small buckets), "allreduce_hook", "fp16_hook" (``register_comm_hook``;
+    (``gradient_as_bucket_view=True``, small buckets), "allreduce_hook", "fp16_hook", "powersgd"
+    (``register_comm_hook``;
     torch's bf16_compress_hook refuses anything but NCCL/XCCL, gloo too)."""
     import tpudist.device  # noqa: F401
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -141,6 +145,12 @@ def ddp(case: str, device: str) -> dict:
     hooks = {"allreduce_hook": default_hooks.allreduce_hook, "fp16_hook": default_hooks.fp16_compress_hook}
     if case in hooks:
         model.register_comm_hook(group, hooks[case])
+    if case == "powersgd":  # rank-1 approximation from the 3rd step on (warm start, error feedback)
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                       min_compression_rate=0.5)
+        model.register_comm_hook(state, powersgd.powerSGD_hook)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     gen = torch.Generator().manual_seed(10 + dist.get_rank())
     losses, grads = [], []

@@ -124,8 +124,14 @@ class CommStream:
         self._thread: threading.Thread | None = None
 
     def submit(self, work: Work, task: Callable[[], Any], *, async_op: bool) -> Work:
+        """Queues ``task`` as ``work``, or runs it in the caller's thread: a synchronous call with
+        nothing queued, and any call made on the stream's own thread. That is a callback of a
+        finished work's future (``Work._finish`` completes it there), as DDP's comm hooks chain them:
+        PowerSGD's callback all_reduces and waits on the result. Queued, that collective would wait
+        for the thread that waits for it; run at once, it runs right after the work whose callback
+        issued it, on every rank, whatever the caller's threads queued meanwhile."""
         with self._lock:
-            inline = not async_op and self._pending == 0
+            inline = (not async_op and self._pending == 0) or threading.current_thread() is self._thread
             self._pending += 1
             if inline:
                 self._running.add(work)
