@@ -182,7 +182,18 @@ def softmax(x, dim, half_to_float=False):
 
 @lowers(aten._log_softmax.default)
 def log_softmax(x, dim, half_to_float=False):
-    return jax.nn.log_softmax(upcast(x), axis=dim_of(dim, x.ndim)) if x.ndim else jnp.zeros_like(upcast(x))
+    if not x.ndim:
+        return jnp.zeros_like(upcast(x))
+    axis = dim_of(dim, x.ndim)
+    if is_low_precision(x.dtype) and not half_to_float and axis == x.ndim - 1:
+        # torch's CPU kernel along the last dim (LogSoftmaxKernelImpl.h serial_vec_log_softmax_lastdim_range)
+        # keeps the sum of exponentials and its log in the input's dtype: x - max - bf16(log(bf16(sum))).
+        # Without that rounding a third of the bf16 results were 1 ulp off, and so the loss's gradient.
+        xf = upcast(x)
+        shifted = xf - jnp.max(xf, axis=axis, keepdims=True)
+        total = jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True).astype(x.dtype).astype(xf.dtype)
+        return shifted - jnp.log(total).astype(x.dtype).astype(xf.dtype)
+    return jax.nn.log_softmax(upcast(x), axis=axis)
 
 
 @lowers(aten._softmax_backward_data.default)
