@@ -63,13 +63,13 @@ def test_fsdp2_bf16_mixed_precision_like_gloo(pool2):
         _close(got["params"], ref["params"], rank, 0.0, 2e-2)
 
 
-@pytest.mark.parametrize("case", ["no_sync", "bucket_view", "allreduce_hook", "fp16_hook", "powersgd"])
+@pytest.mark.parametrize("case", ["no_sync", "bucket_view", "allreduce_hook", "fp16_hook", "powersgd", "autocast"])
 def test_ddp_options_train_like_gloo(pool2, case):
     """``no_sync()`` accumulation over small buckets, ``gradient_as_bucket_view=True``, and comm hooks
     (``allreduce_hook``; ``fp16_compress_hook`` casts to fp16 and back on the device as gloo's run does
     on the CPU; ``powerSGD_hook``, whose future callbacks all_reduce and wait: it hung before the comm
-    stream ran collectives issued from its own thread at once): every step's synchronised gradients and
-    the final parameters equal gloo's."""
+    stream ran collectives issued from its own thread at once); and a bf16 ``torch.autocast`` forward:
+    every step's synchronised gradients and the final parameters equal gloo's."""
     for rank, (got, ref) in enumerate(zip(*_both(pool2, fns.ddp, case))):
         assert "error" not in got and "error" not in ref, (got.get("error"), ref.get("error"))
         assert got["devices"] == ["tpu:0"], got["devices"]

@@ -124,8 +124,8 @@ def ddp(case: str, device: str) -> dict:
     the first under ``no_sync()``), "unused" (``find_unused_parameters=True``, a branch never taken),
     "static" (``static_graph=True``, with the branch never taken), "bucket_view"
     (``gradient_as_bucket_view=True``, small buckets), "allreduce_hook", "fp16_hook", "powersgd"
-    (``register_comm_hook``;
-    torch's bf16_compress_hook refuses anything but NCCL/XCCL, gloo too)."""
+    (``register_comm_hook``; torch's bf16_compress_hook refuses anything but NCCL/XCCL, gloo too),
+    "autocast" (forward and loss under ``torch.autocast(device, dtype=torch.bfloat16)``)."""
     import tpudist.device  # noqa: F401
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -156,14 +156,14 @@ def ddp(case: str, device: str) -> dict:
     losses, grads = [], []
     micro = 2 if case == "no_sync" else 1
     try:
-        _ddp_steps(model, module, opt, gen, micro, device, losses, grads)
+        _ddp_steps(model, module, opt, gen, micro, device, losses, grads, autocast=case == "autocast")
     except NotImplementedError as e:  # returned, not raised: the pool's ranks stay up for the next test
         return {"error": f"{type(e).__name__}: {e}"}
     return {"losses": losses, "grads": grads, "params": {n: p.detach().cpu() for n, p in module.named_parameters()},
             "devices": sorted({str(p.device) for p in module.parameters()})}
 
 
-def _ddp_steps(model, module, opt, gen, micro, device, losses, grads):
+def _ddp_steps(model, module, opt, gen, micro, device, losses, grads, autocast=False):
     for _ in range(3):
         for m in range(micro):
             x, y = torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)
@@ -171,6 +171,10 @@ def _ddp_steps(model, module, opt, gen, micro, device, losses, grads):
                 with model.no_sync():
                     loss = F.cross_entropy(model(x.to(device)), y.to(device))
                     loss.backward()
+            elif autocast:
+                with torch.autocast(device, dtype=torch.bfloat16):
+                    loss = F.cross_entropy(model(x.to(device)), y.to(device))
+                loss.backward()
             else:
                 loss = F.cross_entropy(model(x.to(device)), y.to(device))
                 loss.backward()
