@@ -55,11 +55,13 @@ def fsdp(case: str, device: str) -> dict:
     "mp" (bf16 parameters, fp32 gradient reduction), "mp_bf16_reduce" (bf16 parameters and reduction),
     "accum" (2 micro-batches per step, the first without gradient sync), "ac" (``checkpoint_wrapper`` on
     each block), "ac_fn" (``torch.utils.checkpoint`` inside a block's forward), "offload"
-    (``CPUOffloadPolicy(pin_memory=False)``), "offload_pinned" (its default ``pin_memory=True``)."""
+    (``CPUOffloadPolicy(pin_memory=False)``), "offload_pinned" (its default ``pin_memory=True``),
+    "hsdp_accum" ("accum" on a (2, world / 2) mesh: HSDP)."""
     import tpudist.device  # noqa: F401
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = _mesh(device)
+    mesh = _mesh(device, (2, dist.get_world_size() // 2), ("replicate", "shard")) if case.startswith("hsdp") \
+        else _mesh(device)
     model = _llama().to(device)
     kwargs = {}
     if case == "mp":
@@ -88,7 +90,7 @@ def fsdp(case: str, device: str) -> dict:
     linear = linear or model.layers[0]._checkpoint_wrapped_module.attention.wq
     linear.register_forward_hook(lambda m, args, out: seen.add(("forward", str(m.weight.device), str(m.weight.dtype),
                                                                 str(out.device), str(out.dtype))))
-    micro = 2 if case == "accum" else 1
+    micro = 2 if case.endswith("accum") else 1
     losses = []
     batches = _batches(3 * micro)
     for step in range(3):
