@@ -42,7 +42,7 @@ FSDP_SEEN = {  # what the first block's wq computed with (weight, output) and th
 @pytest.mark.parametrize("case", list(FSDP_SEEN))
 def test_fsdp2_options_train_like_gloo(pool2, case):
     """``set_requires_gradient_sync(False)`` on the first of 2 micro-batches, ``checkpoint_wrapper`` on
-    each block, ``CPUOffloadPolicy(pin_memory=False)``: 3 steps equal gloo's."""
+    each block, ``CPUOffloadPolicy()`` (pins the CPU shards): 3 steps equal gloo's."""
     for rank, (got, ref) in enumerate(zip(*_both(pool2, fns.fsdp, case))):
         assert set(got["seen"]) == FSDP_SEEN[case], got["seen"]
         assert got["losses"] == pytest.approx(ref["losses"], rel=RTOL), rank
@@ -79,10 +79,10 @@ def test_ddp_options_train_like_gloo(pool2, case):
         _close(got["params"], ref["params"], rank, RTOL, ATOL)
 
 
-PINNED = ("DDP's C++ reducer copies its used-parameter map through pinned host memory for a PrivateUse1 "
-          "model; pinned memory (also Tensor.pin_memory(), empty(pin_memory=True), CPUOffloadPolicy's default "
-          "pin_memory=True, in any process that imported tpudist.device) needs PrivateUse1HooksInterface::"
-          "getPinnedMemoryAllocator, which the Python hook tpudist registers (torch._C._acc) cannot provide")
+PINNED = ("DDP's C++ reducer copies its used-parameter map through a buffer it allocates in pinned host "
+          "memory in C++ (empty_like(pin_memory=True)) for a PrivateUse1 model; that needs "
+          "PrivateUse1HooksInterface::getPinnedMemoryAllocator, which the Python hook tpudist registers "
+          "(torch._C._acc) cannot provide (Tensor.pin_memory() has Python kernels: device/_pinned.py)")
 
 
 @pytest.mark.parametrize("case", ["unused", "static"])

@@ -55,7 +55,7 @@ def fsdp(case: str, device: str) -> dict:
     "mp" (bf16 parameters, fp32 gradient reduction), "mp_bf16_reduce" (bf16 parameters and reduction),
     "accum" (2 micro-batches per step, the first without gradient sync), "ac" (``checkpoint_wrapper`` on
     each block), "ac_fn" (``torch.utils.checkpoint`` inside a block's forward), "offload"
-    (``CPUOffloadPolicy(pin_memory=False)``), "offload_pinned" (its default ``pin_memory=True``),
+    (``CPUOffloadPolicy()``),
     "hsdp_accum" ("accum" on a (2, world / 2) mesh: HSDP)."""
     import tpudist.device  # noqa: F401
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -68,8 +68,8 @@ def fsdp(case: str, device: str) -> dict:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if case == "mp_bf16_reduce":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # gradients reduced in bf16
-    if case.startswith("offload"):
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=case == "offload_pinned")
+    if case == "offload":
+        kwargs["offload_policy"] = CPUOffloadPolicy()  # pin_memory=True: ordinary host memory (device/_pinned.py)
     if case == "ac":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
