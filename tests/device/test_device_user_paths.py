@@ -12,6 +12,8 @@
   and HF BEiT relies on; other CPU tensor arguments stay a device-mismatch error.
 - ``DataLoader(pin_memory=True)`` (Hugging Face's Trainer default) and ``Tensor.pin_memory()``: torch
   asks the PrivateUse1 hooks for a pinned allocator a Python backend cannot give (NotImplementedError).
+- Hugging Face's ``Trainer`` on the device: accelerate calls ``torch.accelerator.empty_cache()`` for a
+  backend it does not know by name, which asserted ("Allocator for tpu is not a DeviceAllocator").
 
 All cases run in one worker process that installs the device (it renames PrivateUse1 for the process).
 """
@@ -207,6 +209,34 @@ def run_pinned_loader(mode: str) -> dict:
     return out
 
 
+def run_hf_trainer(mode: str) -> dict:
+    import tempfile
+
+    import tpudist.device  # noqa: F401
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 64, (16,), generator=generator)} for _ in range(8)]
+    for row in data:
+        row["labels"] = row["input_ids"].clone()
+    out = {}
+    with torch.tpu.eager_mode(mode), tempfile.TemporaryDirectory() as tmp:
+        for use_cpu in (True, False):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(cfg)
+            args = TrainingArguments(output_dir=tmp, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
+                                     report_to=[], use_cpu=use_cpu, logging_steps=1, save_strategy="no", seed=0)
+            trainer = Trainer(model=model, args=args, train_dataset=data)
+            trainer.train()
+            out["cpu" if use_cpu else "tpu"] = {
+                "device": str(next(model.parameters()).device),
+                "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                "params": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    return out
+
+
 def _flat(obj, prefix=""):
     if isinstance(obj, dict):
         return {k2: v2 for k, v in obj.items() for k2, v2 in _flat(v, f"{prefix}{k}.").items()}
@@ -284,3 +314,15 @@ def test_pinned_dataloader_batches_equal_cpu(dev, mode):
     assert out["plain_is_pinned"] is False and out["after_free"] is False
     assert out["copy"] == (True, True, True, True)
     assert "pinned for 'tpu' only" in out["bad_device"]
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_hugging_face_trainer_trains_like_cpu(dev, mode):
+    pytest.importorskip("transformers", reason="Hugging Face's Trainer needs transformers (optional extra)")
+    pytest.importorskip("accelerate", reason="Hugging Face's Trainer needs accelerate (optional extra)")
+    out = dev(run_hf_trainer, mode)
+    assert (out["cpu"]["device"], out["tpu"]["device"]) == ("cpu", "tpu:0")
+    assert len(out["cpu"]["losses"]) == 3
+    assert out["tpu"]["losses"] == pytest.approx(out["cpu"]["losses"], rel=1e-5)
+    for name, want in out["cpu"]["params"].items():
+        torch.testing.assert_close(out["tpu"]["params"][name], want, rtol=1e-4, atol=1e-5, msg=name)

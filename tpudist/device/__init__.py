@@ -41,7 +41,9 @@ def _install() -> None:
                            "use one of them per process")
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-    from tpudist.device import _attention, _autocast, _fsdp, _kernels, _module, _pinned, _serialization
+    from tpudist.device import (
+        _accelerator, _attention, _autocast, _fsdp, _kernels, _module, _pinned, _serialization,
+    )
 
     module = _module.build_module()
     _setup_privateuseone_for_python_backend(_NAME, backend_module=module)
@@ -51,6 +53,7 @@ def _install() -> None:
     _serialization.register()
     _fsdp.register()
     _pinned.register()
+    _accelerator.register()
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(_after_optimizer_step)
