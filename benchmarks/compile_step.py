@@ -17,6 +17,18 @@ backward is torch.compile's own wrapper (Dynamo guards, AOTAutograd), which indu
 On a shared machine torch's threads suffer most from other load (its OpenMP threads wait for each
 other): under a load average of 7-12 on 2 cores the same run gave tpu/inductor 0.3x with two torch
 threads and 1.6x with one (2026-12-02); compare runs of one moment, and OMP_NUM_THREADS=1 runs.
+
+Where tpu loses to inductor (issue #28; 2026-12-03, OMP_NUM_THREADS=1, fp32, the default model,
+1.66-1.67x): XLA's programs themselves (fwd ~5 ms, bwd ~8-10 ms against inductor's whole forward
+~4-5 ms and backward ~5 ms); the backend's call around them (argument and result crossings) is
+0.6-0.8 ms per program (~6 us per tensor, measured piece by piece: little left to take). Inside the
+programs it is XLA:CPU's own dot emitter: single dots at these shapes run 2-4.5x slower than torch's
+oneDNN (x @ W^T [512,64]x[64,176]: ~240 vs ~95 us; the weight-gradient dots the backward has 15 of,
+x^T @ g contracting the 512 tokens: 260-550 vs 65-165 us), the same with the operands transposed
+first. The flags that speed them up change float results (variants tpu-ynn: 1.46x inductor,
+tpu-vec512: 1.33x), so the backend keeps XLA's emitter; flags that keep the results bitwise
+(onednn/xnnpack switches, concurrency-optimized scheduler, fusion emitters off, multi-threaded
+Eigen) measured within noise.
 """
 
 from __future__ import annotations
@@ -41,7 +53,8 @@ def _parse(argv):
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--variants", default="eager,tpu,inductor",
-                   help="eager, tpu, inductor, tpu-mt (backend tpu with multi-threaded Eigen in its programs)")
+                   help="eager, tpu, inductor; tpu-mt (backend tpu with multi-threaded Eigen in its programs), "
+                        "tpu-ynn (YNNPACK dots), tpu-vec512 (512-bit vectors): these two change float results")
     p.add_argument("--cold", action="store_true", help="start with empty tpudist and inductor caches")
     p.add_argument("--device", default="cpu", choices=("cpu", "tpu"),
                    help="where model and batch live; tpu: the tpudist.device (eager = its eager mode, "
@@ -76,10 +89,20 @@ def _trainer_steps(overrides: dict, variants: list[str], rounds: int) -> dict:
     return {"first": first, "times": times, "losses": losses}
 
 
+# Variants of the tpu backend with other XLA options. tpu-ynn and tpu-vec512 change the programs'
+# float results in the last bits (another summation order: YNNPACK's dots; 512-bit vectors in the
+# forward's fusions), so the backend does not use them; they are here to measure what they would buy.
+_TPU_VARIANTS = {
+    "tpu-mt": {"xla_cpu_multi_thread_eigen": True},
+    "tpu-ynn": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
+    "tpu-vec512": {"xla_cpu_prefer_vector_width": 512},
+}
+
+
 def _backend(variant: str) -> dict:
     """torch.compile keyword arguments of a variant name."""
-    if variant == "tpu-mt":
-        return {"backend": "tpu", "options": {"xla_options": {"xla_cpu_multi_thread_eigen": True}}}
+    if variant in _TPU_VARIANTS:
+        return {"backend": "tpu", "options": {"xla_options": _TPU_VARIANTS[variant]}}
     return {"backend": variant}
 
 
@@ -136,13 +159,14 @@ def _distributed(args) -> None:
                      steps=args.rounds + 1, log_every=10 ** 6)
     if args.mesh:
         overrides["mesh"] = tuple(int(x) for x in args.mesh.split(","))
-    variants = [v for v in args.variants.split(",") if v not in ("inductor", "tpu-mt")]  # inductor: minutes of C++ per rank
+    # inductor: minutes of C++ per rank
+    variants = [v for v in args.variants.split(",") if v != "inductor" and v not in _TPU_VARIANTS]
     import compile_step  # rank processes import the step function by module name, not __main__
 
     for dtype_name in args.dtypes.split(","):
         with RankPool(args.ranks) as pool:
-            results = pool.run(compile_step._trainer_steps, dict(overrides, param_dtype=dtype_name), variants, args.rounds,
-                               timeout=1800)
+            results = pool.run(compile_step._trainer_steps, dict(overrides, param_dtype=dtype_name), variants,
+                               args.rounds, timeout=1800)
         # the slowest rank sets the step time
         first = {n: max(r["first"][n] for r in results) for n in variants}
         times = {n: [max(r["times"][n][i] for r in results) for i in range(args.rounds)] for n in variants}
