@@ -13,7 +13,9 @@
 - ``DataLoader(pin_memory=True)`` (Hugging Face's Trainer default) and ``Tensor.pin_memory()``: torch
   asks the PrivateUse1 hooks for a pinned allocator a Python backend cannot give (NotImplementedError).
 - Hugging Face's ``Trainer`` on the device: accelerate calls ``torch.accelerator.empty_cache()`` for a
-  backend it does not know by name, which asserted ("Allocator for tpu is not a DeviceAllocator").
+  backend it does not know by name, which asserted ("Allocator for tpu is not a DeviceAllocator");
+  its checkpoints and ``save_pretrained`` find tied weights by ``untyped_storage().data_ptr()``, which
+  was 0 for every tpu storage (every weight looked shared with every other: save raised).
 
 All cases run in one worker process that installs the device (it renames PrivateUse1 for the process).
 """
@@ -210,30 +212,43 @@ def run_pinned_loader(mode: str) -> dict:
 
 
 def run_hf_trainer(mode: str) -> dict:
+    import os
     import tempfile
 
     import tpudist.device  # noqa: F401
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
     generator = torch.Generator().manual_seed(0)
     data = [{"input_ids": torch.randint(0, 64, (16,), generator=generator)} for _ in range(8)]
     for row in data:
         row["labels"] = row["input_ids"].clone()
+
+    def train(use_cpu, out_dir, resume=None):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        args = TrainingArguments(output_dir=out_dir, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
+                                 report_to=[], use_cpu=use_cpu, logging_steps=1, save_strategy="steps", save_steps=2,
+                                 seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=resume)
+        return model, {"device": str(next(model.parameters()).device),
+                       "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                       "params": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+
     out = {}
     with torch.tpu.eager_mode(mode), tempfile.TemporaryDirectory() as tmp:
-        for use_cpu in (True, False):
-            torch.manual_seed(0)
-            model = LlamaForCausalLM(cfg)
-            args = TrainingArguments(output_dir=tmp, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
-                                     report_to=[], use_cpu=use_cpu, logging_steps=1, save_strategy="no", seed=0)
-            trainer = Trainer(model=model, args=args, train_dataset=data)
-            trainer.train()
-            out["cpu" if use_cpu else "tpu"] = {
-                "device": str(next(model.parameters()).device),
-                "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-                "params": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+        _, out["cpu"] = train(True, os.path.join(tmp, "cpu"))
+        model, out["tpu"] = train(False, os.path.join(tmp, "tpu"))  # checkpoints at steps 2 and 3
+        _, out["resumed"] = train(False, os.path.join(tmp, "tpu"), resume=os.path.join(tmp, "tpu", "checkpoint-2"))
+        model.save_pretrained(os.path.join(tmp, "saved"))  # tied embeddings: one storage on the device
+        loaded = LlamaForCausalLM.from_pretrained(os.path.join(tmp, "saved"))
+        out["saved"] = {k: v.detach() for k, v in loaded.state_dict().items()}
+        ptr = {name: p.untyped_storage().data_ptr() for name, p in model.named_parameters(remove_duplicate=False)}
+        out["tied"] = ptr["lm_head.weight"] == ptr["model.embed_tokens.weight"]
+        out["distinct"] = len({p.untyped_storage().data_ptr() for p in model.parameters()})
+        out["num_params"] = len(list(model.parameters()))
     return out
 
 
@@ -326,3 +341,7 @@ def test_hugging_face_trainer_trains_like_cpu(dev, mode):
     assert out["tpu"]["losses"] == pytest.approx(out["cpu"]["losses"], rel=1e-5)
     for name, want in out["cpu"]["params"].items():
         torch.testing.assert_close(out["tpu"]["params"][name], want, rtol=1e-4, atol=1e-5, msg=name)
+        assert torch.equal(out["resumed"]["params"][name], out["tpu"]["params"][name]), name  # from checkpoint-2
+        assert torch.equal(out["saved"][name], out["tpu"]["params"][name]), name  # save_pretrained round trip
+    # data_ptr() of a tpu storage: aliases (the tied embedding) equal, every other parameter distinct
+    assert out["tied"] and out["distinct"] == out["num_params"]

@@ -12,11 +12,18 @@ elsewhere to the device. torch would restore each storage with ``UntypedStorage(
 which needs a C++ allocator a Python backend does not have (the process segfaults); instead the storage
 stays a CPU storage marked for "tpu", and each tensor rebuilt over it is moved, once per storage: tensors
 that shared a storage (tied weights, views) still share one on the device.
+
+Savers that find shared tensors by ``untyped_storage().data_ptr()`` (Hugging Face's ``save_pretrained``
+and its tied-weight check, safetensors) saw 0 for every tpu storage (they hold no host memory) and took
+all of a model's weights for one shared tensor. A tpu storage's ``data_ptr()`` is now the identity of
+its device buffer: equal for aliases, distinct otherwise (an identity, not an address to read).
 """
 
 from __future__ import annotations
 
 import torch
+
+from tpudist.device._storage import _ATTR
 
 _original = torch.Tensor._reduce_ex_internal  # noqa: SLF001
 
@@ -101,7 +108,16 @@ def _rebuild_tensor(storage, storage_offset, size, stride):
     return flat.as_strided(tuple(size), tuple(stride), storage_offset).detach()
 
 
+_original_data_ptr = torch.UntypedStorage.data_ptr
+
+
+def _storage_data_ptr(self) -> int:
+    buf = getattr(self, _ATTR, None)
+    return _original_data_ptr(self) if buf is None else id(buf)
+
+
 def register() -> None:
+    torch.UntypedStorage.data_ptr = _storage_data_ptr
     torch.Tensor._reduce_ex_internal = _reduce_ex_internal  # noqa: SLF001
     torch.Tensor.__deepcopy__ = __deepcopy__
     torch.serialization.register_package(19, lambda storage: None, _restore_on_tpu)
