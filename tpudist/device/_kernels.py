@@ -305,8 +305,12 @@ _LIBS_BY_NAMESPACE: dict = {}
 def _composite_implicit(op) -> bool:
     """An op with a CompositeImplicitAutograd kernel (upsample_bilinear2d.vec ...) decomposes above
     autograd into ops the device runs; a PrivateUse1 kernel for it would replace its autograd kernel
-    on tpu tensors by the not-implemented fallback (no gradient). Its lowering still serves compile."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")  # noqa: SLF001
+    on tpu tensors by the not-implemented fallback (no gradient). Its lowering still serves compile.
+    Not so an op that also has a CPU kernel behind its own autograd kernel (silu_backward,
+    mish_backward): the CPU runs that kernel, so the device runs the lowering, not the bf16 decomposition."""
+    name = op.name()
+    return (torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")  # noqa: SLF001
+            and not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"))  # noqa: SLF001
 
 
 # Ops whose schema returns a fresh tensor but whose own kernel (CompositeExplicitAutograd, the one
