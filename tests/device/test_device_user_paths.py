@@ -16,6 +16,9 @@
   backend it does not know by name, which asserted ("Allocator for tpu is not a DeviceAllocator");
   its checkpoints and ``save_pretrained`` find tied weights by ``untyped_storage().data_ptr()``, which
   was 0 for every tpu storage (every weight looked shared with every other: save raised).
+- ``torch.compile(model)`` with inductor, the default backend: torch 2.13's inductor generates Pallas
+  code for a device named "tpu" that imports Google's ``torch_tpu``; graphs of tpu tensors now
+  compile with tpudist's backend, with a warning.
 
 All cases run in one worker process that installs the device (it renames PrivateUse1 for the process).
 """
@@ -252,6 +255,37 @@ def run_hf_trainer(mode: str) -> dict:
     return out
 
 
+def run_default_compile() -> dict:
+    import warnings
+
+    import tpudist.device  # noqa: F401
+    import torch.nn.functional as F
+    from tpudist.device import _compile_default
+
+    _compile_default._warned = False  # once per process: this run counts its own
+    out = {}
+    for device in ("cpu", "tpu"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                                    torch.nn.Linear(16, 4)).to(device)
+        compiled = torch.compile(model)  # inductor, as users write it
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+                loss = F.cross_entropy(compiled(x.to(device)), torch.tensor([0, 1, 2, 3], device=device))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        out[device] = {"losses": losses, "params": [p.detach().cpu() for p in model.parameters()],
+                       "warnings": [str(w.message) for w in caught if "inductor" in str(w.message)]}
+    return out
+
+
 def _flat(obj, prefix=""):
     if isinstance(obj, dict):
         return {k2: v2 for k, v in obj.items() for k2, v2 in _flat(v, f"{prefix}{k}.").items()}
@@ -345,3 +379,12 @@ def test_hugging_face_trainer_trains_like_cpu(dev, mode):
         assert torch.equal(out["saved"][name], out["tpu"]["params"][name]), name  # save_pretrained round trip
     # data_ptr() of a tpu storage: aliases (the tied embedding) equal, every other parameter distinct
     assert out["tied"] and out["distinct"] == out["num_params"]
+
+
+def test_default_torch_compile_of_a_device_model_trains_like_cpu(dev):
+    out = dev(run_default_compile)
+    assert out["tpu"]["losses"] == pytest.approx(out["cpu"]["losses"], rel=1e-5)
+    for got, want in zip(out["tpu"]["params"], out["cpu"]["params"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert out["cpu"]["warnings"] == []  # CPU graphs stay inductor's
+    assert len(out["tpu"]["warnings"]) == 1 and "backend='tpu'" in out["tpu"]["warnings"][0]

@@ -42,7 +42,7 @@ def _install() -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     from tpudist.device import (
-        _accelerator, _attention, _autocast, _fsdp, _kernels, _module, _pinned, _serialization,
+        _accelerator, _attention, _autocast, _compile_default, _fsdp, _kernels, _module, _pinned, _serialization,
     )
 
     module = _module.build_module()
@@ -54,6 +54,7 @@ def _install() -> None:
     _fsdp.register()
     _pinned.register()
     _accelerator.register()
+    _compile_default.register()
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(_after_optimizer_step)
