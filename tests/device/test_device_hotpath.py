@@ -177,3 +177,33 @@ def test_random_ops_draw_once_per_op_and_host_tensors_are_refused(dev):
     assert not torch.equal(strict["masks"][1], strict["masks"][2])
     for out in (strict, fused):
         assert "Expected all tensors to be on the same device" in out.get("mismatch", ""), out.get("mismatch")
+
+
+def run_low_precision_chain(mode: str, dtype: torch.dtype) -> dict:
+    """A chain of pointwise ops in a 16-bit dtype: CPU eager rounds after every op; so must the device,
+    in Fused mode too (one XLA program, where XLA may otherwise keep f32 between the ops)."""
+    import tpudist.device  # noqa: F401
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4096, dtype=dtype), torch.randn(4096, dtype=dtype)
+
+    def chain(x, y):
+        return ((x * y + x) * 1.7 - y).exp() * x
+
+    with torch.tpu.eager_mode(mode):
+        got = chain(x.to("tpu"), y.to("tpu")).cpu()
+    return {"cpu": chain(x, y), "tpu": got}
+
+
+FP16_FUSED = pytest.mark.xfail(strict=True, reason="float16 chains in one Fused program still differ from CPU "
+                               "eager (12.9% of elements, 1 ulp), with xla_allow_excess_precision off: not found yet")
+
+
+@pytest.mark.parametrize("mode, dtype", [
+    pytest.param("strict", torch.bfloat16, id="strict-bf16"), pytest.param("fused", torch.bfloat16, id="fused-bf16"),
+    pytest.param("strict", torch.float16, id="strict-fp16"),
+    pytest.param("fused", torch.float16, id="fused-fp16", marks=FP16_FUSED)])
+def test_16_bit_chains_round_after_every_op_like_cpu(dev, mode, dtype):
+    out = dev(run_low_precision_chain, mode, dtype)
+    mismatched = (out["tpu"] != out["cpu"]).float().mean().item()
+    assert mismatched == 0, f"{mismatched:.1%} of the elements differ from CPU eager"
