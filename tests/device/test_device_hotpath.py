@@ -207,3 +207,23 @@ def test_16_bit_chains_round_after_every_op_like_cpu(dev, mode, dtype):
     out = dev(run_low_precision_chain, mode, dtype)
     mismatched = (out["tpu"] != out["cpu"]).float().mean().item()
     assert mismatched == 0, f"{mismatched:.1%} of the elements differ from CPU eager"
+
+
+def run_equal(mode: str) -> dict:
+    import tpudist.device  # noqa: F401
+
+    cases = [(torch.tensor([1, 2]), torch.tensor([1.0, 2.0])),  # promoted, as on the CPU
+             (torch.tensor([float("nan")]), torch.tensor([float("nan")])), (torch.ones(2, 1), torch.ones(2)),
+             (torch.ones(0), torch.ones(0)), (torch.tensor([True]), torch.tensor([1])),
+             (torch.arange(6.0).reshape(2, 3).t(), torch.arange(6.0).reshape(2, 3).t().contiguous()),
+             (torch.ones(3), torch.tensor([1.0, 1.0, 2.0]))]
+    with torch.tpu.eager_mode(mode):
+        got = [torch.equal(a.to("tpu"), b.to("tpu")) for a, b in cases]
+    return {"cpu": [torch.equal(a, b) for a, b in cases], "tpu": got}
+
+
+@pytest.mark.parametrize("mode", ["debug", "strict", "fused"])
+def test_torch_equal_is_a_sync_point_like_item(dev, mode):
+    """``torch.equal`` on tpu tensors gives CPU's answer (it raised NotImplementedError: a Python bool)."""
+    out = dev(run_equal, mode)
+    assert out["tpu"] == out["cpu"] == [True, False, False, True, True, True, False]

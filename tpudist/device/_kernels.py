@@ -116,6 +116,14 @@ def local_scalar_dense(x):
     return core.to_cpu(x).item()
 
 
+def equal(a, b):
+    """``torch.equal``: a Python bool, so a sync point like ``item()`` (CUDA syncs too). Values compare
+    after type promotion, as on the CPU (``torch.equal(int_t, float_t)`` can be True); NaN is unequal."""
+    if a.shape != b.shape:
+        return False
+    return bool((a == b).all().item())
+
+
 def fused_sdp_choice(*args, **kwargs):
     return int(torch.nn.attention.SDPBackend.MATH)  # SDPA's math path: decomposes into lowered ops
 
@@ -244,6 +252,7 @@ _SPECIAL = {
     aten.copy_.default: copy_,
     aten._to_copy.default: to_copy,
     aten._local_scalar_dense.default: local_scalar_dense,
+    aten.equal.default: equal,
     aten._fused_sdp_choice.default: fused_sdp_choice,
     aten.resize_.default: resize_,
     aten.set_.source_Tensor: set_source_tensor,
