@@ -150,19 +150,20 @@ def _load_or_compile(g: Graph, live, sc):
     cache, which holds XLA's compile, is written only by JAX process 0 on multi-process CPU, with
     the device in its key: rank r > 0 of the next run would compile every program again. The
     executable names no device in its key (it is loaded onto this rank's device), so every rank
-    and host shares one entry. Without a cache root the program is jitted as before.
+    and host shares one entry. Without a cache root the program is traced and compiled, not stored.
     """
     from jax import export
 
     from tpudist import program_cache
 
-    if program_cache.default_cache() is None:
-        with jax.enable_x64(True):
-            return _program(g.nodes, live).lower(g.inputs, sc).compile(compiler_options=COMPILER_OPTIONS)
-    key = _program_key(g, live)
+    cached = program_cache.default_cache() is not None
+    key = _program_key(g, live) if cached else None
     module_from_cache = [False]
 
     def jitted():
+        if not cached:
+            return _program(g.nodes, live)
+
         def trace():
             with jax.enable_x64(True):
                 return export.export(_program(g.nodes, live))(g.inputs, sc)
