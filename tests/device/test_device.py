@@ -313,6 +313,44 @@ def run_autocast():
     return ref, got.cpu(), tpu.weight.grad.dtype
 
 
+def run_autocast_default_dtype():
+    import threading
+
+    import tpudist.device  # noqa: F401
+
+    torch.manual_seed(0)
+    cpu = torch.nn.Linear(8, 4)
+    tpu = copy.deepcopy(cpu).to("tpu")
+    x = torch.randn(3, 8)
+    with torch.autocast("cpu"):
+        ref = cpu(x)
+    with torch.autocast("tpu"):
+        got = tpu(x.to("tpu"))
+    seen = {}
+
+    def other_thread():  # torch keeps the autocast dtype per thread
+        with torch.autocast("tpu"):
+            seen["thread"] = tpu(x.to("tpu")).dtype
+        torch.set_autocast_dtype("tpu", torch.float16)  # a thread's own choice wins, in that thread only
+        with torch.autocast("tpu"):
+            seen["thread_fp16"] = tpu(x.to("tpu")).dtype
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+
+    @torch.compile(backend="tpu")
+    def compiled(v):
+        with torch.autocast("tpu"):
+            return tpu(v)
+
+    with torch.autocast("tpu"):
+        seen["main_after"] = tpu(x.to("tpu")).dtype
+    return {"ref": ref, "got": got.cpu(), "compiled": compiled(x.to("tpu")).dtype, **seen,
+            "get": torch.get_autocast_dtype("tpu"), "cpu": torch.get_autocast_dtype("cpu"),
+            "cuda": torch.get_autocast_dtype("cuda")}
+
+
 def run_module_api():
     import torch.nn.functional as F
 
@@ -659,6 +697,16 @@ def test_autocast_bf16_matmul(dev):
     assert got.dtype == torch.bfloat16 and ref.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
     assert grad_dtype == torch.float32
+
+
+def test_autocast_defaults_to_bf16_in_every_thread_like_cpu(dev):
+    """``torch.autocast("tpu")`` without a dtype is bf16 (torch's PrivateUse1 default is float16)."""
+    out = dev(run_autocast_default_dtype)
+    assert out["ref"].dtype == out["got"].dtype == torch.bfloat16
+    assert torch.equal(out["got"], out["ref"])
+    assert (out["thread"], out["compiled"], out["main_after"], out["get"]) == (torch.bfloat16,) * 4
+    assert out["thread_fp16"] == torch.float16
+    assert (out["cpu"], out["cuda"]) == (torch.bfloat16, torch.float16)  # other devices untouched
 
 
 def test_torch_tpu_module(dev):

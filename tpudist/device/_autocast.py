@@ -6,11 +6,17 @@ the ops of torch's CUDA autocast lists (docs: "Autocast Op Reference") a kernel 
 "tpu" tensor arguments to the autocast dtype ("lower precision") or to float32 ("float32" ops), then
 calls the op again below autocast. Casts happen above autograd, so gradients flow back in the
 parameters' own dtype (fp32 master grads).
+
+``torch.autocast("tpu")`` without a dtype casts to bfloat16, as CPU autocast and TPUs do: torch's
+default for a PrivateUse1 backend is float16, kept per thread in C++. ``torch.get_autocast_dtype``
+answers bfloat16 for "tpu" in every thread that has not set a dtype itself with
+``torch.set_autocast_dtype("tpu", ...)``; a thread that has gets its own choice.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -32,6 +38,25 @@ _FLOAT32 = (
 )
 _KEY = torch._C.DispatchKey.AutocastPrivateUse1  # noqa: SLF001
 _LIBS: list = []
+_DEVICE = "tpu"
+_DEFAULT_DTYPE = torch.bfloat16
+_chosen = threading.local()  # .tpu is True once this thread set the "tpu" autocast dtype itself
+_torch_get_dtype = torch.get_autocast_dtype
+_torch_set_dtype = torch.set_autocast_dtype
+
+
+def get_autocast_dtype(device_type: str) -> torch.dtype:
+    """``torch.get_autocast_dtype``, answering bfloat16 for "tpu" until this thread sets a dtype."""
+    if device_type == _DEVICE and not getattr(_chosen, "tpu", False):
+        return _DEFAULT_DTYPE
+    return _torch_get_dtype(device_type)
+
+
+def set_autocast_dtype(device_type: str, dtype: torch.dtype) -> None:
+    """``torch.set_autocast_dtype``, remembering that this thread chose the "tpu" dtype."""
+    _torch_set_dtype(device_type, dtype)
+    if device_type == _DEVICE:
+        _chosen.tpu = True
 
 
 def _cast(x, dtype):
@@ -44,7 +69,7 @@ def _cast(x, dtype):
 
 
 def _kernel(op, lower: bool, *args, **kwargs):
-    dtype = torch.get_autocast_dtype("tpu") if lower else torch.float32
+    dtype = get_autocast_dtype(_DEVICE) if lower else torch.float32
     with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_KEY)):  # noqa: SLF001
         args = tuple(_cast(a, dtype) for a in args)
         kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
@@ -61,6 +86,9 @@ def _overloads(name: str) -> list:
 
 
 def register() -> None:
+    # torch.autocast reads the default through torch.get_autocast_dtype, looked up at each call
+    torch.get_autocast_dtype = get_autocast_dtype
+    torch.set_autocast_dtype = set_autocast_dtype
     fallthrough = torch.library.Library("_", "IMPL")
     fallthrough.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
     lib = torch.library.Library("aten", "IMPL")
