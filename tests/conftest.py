@@ -22,6 +22,26 @@ import pytest  # noqa: E402
 from tpudist.testing import RankPool  # noqa: E402
 
 
+def pytest_configure(config):
+    """Build the tpu device's C++ hooks now (xdist's controller runs this before it starts workers), so no
+    worker or rank process spends a test's timeout compiling them. By file: importing tpudist.device would
+    install the device in this process."""
+    import importlib.util
+
+    folder = importlib.util.find_spec("tpudist").submodule_search_locations[0]
+    spec = importlib.util.spec_from_file_location("_tpudist_hooks_build", os.path.join(folder, "device", "_hooks.py"))
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    if hooks.enabled():
+        try:
+            hooks.build()
+        except Exception as e:  # noqa: BLE001 - any failure: tests run on the Python hooks, and say so
+            import warnings
+
+            warnings.warn(f"the tpu device's C++ hooks did not build ({type(e).__name__}: {e}); tests of DDP "
+                          "find_unused_parameters/static_graph and pin_memory=True will fail", stacklevel=1)
+
+
 @pytest.fixture(scope="module")
 def pool2():
     """Two "tpu" ranks shared by the tests of one module."""

@@ -42,17 +42,20 @@ def _install() -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     from tpudist.device import (
-        _accelerator, _attention, _autocast, _compile_default, _fsdp, _kernels, _module, _pinned, _serialization,
+        _accelerator, _attention, _autocast, _compile_default, _fsdp, _hooks, _kernels, _module, _pinned,
+        _serialization,
     )
 
     module = _module.build_module()
+    # First: torch keeps the first hooks object, and the setup below then skips its Python one
+    cpp_hooks = _hooks.install()
     _setup_privateuseone_for_python_backend(_NAME, backend_module=module)
     _kernels.register()
     _autocast.register()
     _attention.register()
     _serialization.register()
     _fsdp.register()
-    _pinned.register()
+    _pinned.register(cpp_allocator=cpp_hooks)
     _accelerator.register()
     _compile_default.register()
     from torch.optim.optimizer import register_optimizer_step_post_hook

@@ -1,0 +1,155 @@
+// The "tpu" device's PrivateUse1 hooks: what torch asks of an accelerator in C++, including a pinned
+// host allocator, which a Python hooks object (torch._C._acc.PrivateUse1Hooks) cannot provide.
+//
+// Built and loaded by tpudist/device/_hooks.py (torch.utils.cpp_extension.load, no Python module: the
+// entry points below are plain C functions called through ctypes). It answers what torch's Python hook
+// answered (built, available, a primary context on tpu:0) and adds:
+// - getPinnedMemoryAllocator: page-aligned host memory from c10::alloc_cpu. A host-to-device copy is a
+//   JAX device_put from any host buffer, so nothing needs page-locking; "pinned" means "from this
+//   allocator", which is what torch's is_pinned() and DDP's reducer (its used-parameter map is staged
+//   through empty_like(pin_memory=True) for a PrivateUse1 model) need.
+// - isPinnedPtr: true for any address inside a live block of that allocator.
+// - resizePrivateUse1Bytes: a clear error. A tpu storage's memory is a jax.Array held by the storage's
+//   Python object (device/_storage.py), out of reach here; FSDP2's resizes go through device/_fsdp.py.
+
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+
+namespace {
+
+class PinnedHostAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* data = nbytes == 0 ? nullptr : c10::alloc_cpu(nbytes);
+    if (data != nullptr) {
+      std::lock_guard<std::mutex> guard(mutex_);
+      blocks_[reinterpret_cast<std::uintptr_t>(data)] = nbytes;
+      live_bytes_ += nbytes;
+    }
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &release;
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  bool contains(const void* ptr) {
+    auto address = reinterpret_cast<std::uintptr_t>(ptr);
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto it = blocks_.upper_bound(address);  // the first block starting after ptr
+    if (it == blocks_.begin()) {
+      return false;
+    }
+    --it;
+    return address < it->first + it->second;
+  }
+
+  int64_t live_bytes() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return static_cast<int64_t>(live_bytes_);
+  }
+
+  static PinnedHostAllocator& instance() {
+    static auto* allocator = new PinnedHostAllocator();  // never destroyed: blocks may outlive static teardown
+    return *allocator;
+  }
+
+ private:
+  static void release(void* data) {
+    auto& self = instance();
+    {
+      std::lock_guard<std::mutex> guard(self.mutex_);
+      auto it = self.blocks_.find(reinterpret_cast<std::uintptr_t>(data));
+      if (it != self.blocks_.end()) {
+        self.live_bytes_ -= it->second;
+        self.blocks_.erase(it);
+      }
+    }
+    c10::free_cpu(data);
+  }
+
+  std::mutex mutex_;
+  std::map<std::uintptr_t, size_t> blocks_;  // start address -> size of each live block
+  size_t live_bytes_ = 0;
+};
+
+struct TpuHooks final : public at::PrivateUse1HooksInterface {
+  bool isBuilt() const override {
+    return true;
+  }
+
+  bool isAvailable() const override {
+    return true;
+  }
+
+  bool hasPrimaryContext(c10::DeviceIndex /*device_index*/) const override {
+    return true;  // the JAX device is looked up lazily by tpudist; nothing to initialise here
+  }
+
+  void init() const override {}
+
+  bool isPinnedPtr(const void* data) const override {
+    return PinnedHostAllocator::instance().contains(data);
+  }
+
+  c10::Allocator* getPinnedMemoryAllocator() const override {
+    return &PinnedHostAllocator::instance();
+  }
+
+  void resizePrivateUse1Bytes(const c10::Storage& /*storage*/, size_t newsize) const override {
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        false,
+        "UntypedStorage.resize_(", newsize, ") of a tpu storage is not supported: its memory is a jax.Array "
+        "held by the storage's Python object, not a host or device allocation torch can resize; "
+        "FSDP2's free/alloc of unsharded parameters are handled by tpudist.device._fsdp");
+  }
+};
+
+TpuHooks* hooks() {
+  static auto* instance = new TpuHooks();  // registered with torch for the process's lifetime
+  return instance;
+}
+
+bool ours_registered() {
+  return at::isPrivateUse1HooksRegistered() && &at::detail::getPrivateUse1Hooks() == hooks();
+}
+
+}  // namespace
+
+// 1: registered now or before; 0: another hooks object is registered already; -1: torch raised.
+extern "C" int tpudist_register_hooks() {
+  try {
+    if (ours_registered()) {
+      return 1;
+    }
+    if (at::isPrivateUse1HooksRegistered()) {
+      return 0;
+    }
+    at::RegisterPrivateUse1HooksInterface(hooks());
+    return 1;
+  } catch (...) {
+    return -1;
+  }
+}
+
+extern "C" int tpudist_hooks_registered() {
+  try {
+    return ours_registered() ? 1 : 0;
+  } catch (...) {
+    return -1;
+  }
+}
+
+// Bytes in live blocks of the pinned host allocator (tests: the allocator is used, and frees).
+extern "C" int64_t tpudist_pinned_bytes() {
+  return PinnedHostAllocator::instance().live_bytes();
+}
