@@ -69,7 +69,7 @@ def fsdp(case: str, device: str) -> dict:
     if case == "mp_bf16_reduce":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # gradients reduced in bf16
     if case == "offload":
-        kwargs["offload_policy"] = CPUOffloadPolicy()  # pin_memory=True: ordinary host memory (device/_pinned.py)
+        kwargs["offload_policy"] = CPUOffloadPolicy()  # pin_memory=True: the C++ hooks' allocator (device/_hooks.py)
     if case == "ac":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
