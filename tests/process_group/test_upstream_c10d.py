@@ -24,8 +24,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RUNNER = os.path.join(HERE, "upstream", "c10d_spawn.py")
 
 # Chosen to cover the c10d entry points a Python backend serves (and the forms issue 12 found
-# broken) at two ranks within CI's budget (each test spawns fresh ranks: ~3-6 s on a quiet 2-core
-# machine); every one of them passes on gloo at 2 ranks (the suite's all_to_all tests are MPI-only).
+# broken) at two ranks within CI's budget (each test starts fresh ranks, forked from a server that
+# imported torch, the suite and JAX once per chunk: ~1-3 s a test after the chunk's first, which
+# pays ~20-35 s for the imports; spawned ranks took 12-130 s a test on a loaded 2-core machine);
+# every one of them passes on gloo at 2 ranks (the suite's all_to_all tests are MPI-only).
 # More that pass on both, left out for time, are listed in docs/testing.md. Three chunks, so
 # pytest-xdist can spread them.
 SELECTION = {

@@ -13,6 +13,10 @@ suite is imported, decides what to run and what to expect exactly as for gloo, b
 that inherit it); groups a test explicitly asks gloo for stay gloo. With ``BACKEND=tpu`` alone the
 suite skips its gloo-only tests (sparse all_reduce, barrier timeouts, object collectives, ...).
 
+Ranks start from a forkserver that has already imported torch, the suite and tpudist's backend
+(``TPUDIST_UPSTREAM_START=spawn`` starts each one with a fresh interpreter, as torch does): those
+imports were nearly all of a rank's time, in both ranks of every test (see ``_RankProcess``).
+
 Writes ``{"test_name": "passed" | "failed" | "skipped: reason" | "error", ...}`` to ``--json``.
 """
 
@@ -25,10 +29,13 @@ import time
 import unittest
 
 import functools
+import gc
 import os
 
 import torch  # noqa: F401 - loads the "tpu" backend's torch.backends entry point
 import torch.distributed as dist
+import torch.multiprocessing
+from torch.testing._internal.distributed import distributed_test
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend
 
 SWAP = os.environ.get("TPUDIST_UPSTREAM_SWAP")
@@ -50,10 +57,48 @@ if SWAP:  # runs in the parent and in every spawned rank (they import this file)
     dist.init_process_group = _swapped(dist.init_process_group)
 
 
+# What a rank imports before its test runs: torch and the suite (what this file imports), and what
+# init_process_group("tpu") and destroy_process_group() import (JAX and tpudist's backend, torch's
+# profiler for the *_profiler tests). Importing alone starts no JAX backend and no thread beyond
+# the one ``import torch`` starts, so forking afterwards is safe. Not "__main__": Python 3.11's
+# forkserver never receives the main path and skips it silently; the rank imports this file itself
+# (cheap once the rest is loaded), which also installs the swap.
+_PRELOAD = ["torch", "torch.distributed", "torch.profiler",
+            "torch.testing._internal.distributed.distributed_test", "jax", "jax.distributed", "jax.extend",
+            "tpudist.process_group.group", "tpudist.mesh", "tpudist.program_cache", "tpudist.jax_cache"]
+
+
+class _RankProcess(torch.multiprocessing.get_context("forkserver").Process):
+    """A rank forked from a server that imported ``_PRELOAD`` once, instead of a fresh interpreter
+    importing it in every rank of every test (10-25 s a rank on a loaded 2-core machine, nearly all
+    of a test's time). Otherwise it starts as a spawned rank does: with the parent's environment as
+    it is at ``start()`` (setUp points TEMP_DIR and INIT_METHOD at a new directory for every test),
+    and the suite's module-level INIT_METHOD read from it.
+
+    The imported modules' objects are frozen out of the garbage collector: destroy_process_group()
+    runs gc.collect(), which otherwise walks them all (~375k objects, 0.5-1.8 s a rank); what the
+    test itself creates is collected as before.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._environ = dict(os.environ)
+
+    def run(self):
+        os.environ.clear()
+        os.environ.update(self._environ)
+        distributed_test.INIT_METHOD = os.getenv("INIT_METHOD", "env://")
+        gc.freeze()
+        super().run()
+
+
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self):
         super().setUp()
-        self._spawn_processes()
+        if os.environ.get("TPUDIST_UPSTREAM_START", "forkserver") == "spawn":
+            self._spawn_processes()
+        else:
+            self._start_processes(_RankProcess)
 
 
 class _Outcomes(unittest.TextTestResult):
@@ -113,6 +158,7 @@ def main() -> int:
     for name in args.tests:
         if name not in known:
             _Outcomes.outcomes[name] = "missing: no such test in this torch"
+    torch.multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
     suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in args.tests if n in known)
     runner = unittest.TextTestRunner(stream=sys.stderr, verbosity=2, resultclass=_Outcomes)
     runner.run(suite)
