@@ -42,7 +42,7 @@ def _install() -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     from tpudist.device import (
-        _accelerator, _attention, _autocast, _compile_default, _fsdp, _hooks, _kernels, _module, _pinned,
+        _accelerate, _accelerator, _attention, _autocast, _compile_default, _fsdp, _hooks, _kernels, _module, _pinned,
         _serialization,
     )
 
@@ -57,6 +57,7 @@ def _install() -> None:
     _fsdp.register()
     _pinned.register(cpp_allocator=cpp_hooks)
     _accelerator.register()
+    _accelerate.register()
     _compile_default.register()
     from torch.optim.optimizer import register_optimizer_step_post_hook
 

@@ -1,0 +1,39 @@
+"""``tpudist._after_import.when_imported``: how the device hooks into Helion and accelerate without
+importing them. The callback runs once, after the module's body, for a package and a submodule, and at
+once for a module imported already."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from tpudist._after_import import _AfterImport, when_imported
+
+
+def test_callback_runs_after_the_import_finishes_and_once(tmp_path, monkeypatch):
+    pkg = tmp_path / "tpudist_probe_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("VALUE = 1\n")
+    (pkg / "sub.py").write_text("READY = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    when_imported("tpudist_probe_pkg.sub", lambda m: seen.append(("sub", m.READY)))
+    when_imported("tpudist_probe_pkg", lambda m: seen.append(("pkg", m.VALUE)))
+    try:
+        assert seen == []
+        importlib.import_module("tpudist_probe_pkg.sub")
+        assert seen == [("pkg", 1), ("sub", True)]  # each after its module's body ran
+        assert not _probe_finders()  # one shot
+        importlib.reload(sys.modules["tpudist_probe_pkg.sub"])
+        assert len(seen) == 2
+        when_imported("tpudist_probe_pkg.sub", lambda m: seen.append(("now", m.READY)))  # imported: at once
+        assert seen[-1] == ("now", True)
+    finally:
+        for name in ("tpudist_probe_pkg.sub", "tpudist_probe_pkg"):
+            sys.modules.pop(name, None)
+        for finder in _probe_finders():
+            sys.meta_path.remove(finder)
+
+
+def _probe_finders() -> list:
+    return [f for f in sys.meta_path if isinstance(f, _AfterImport) and f.name.startswith("tpudist_probe_pkg")]

@@ -1,0 +1,41 @@
+"""Rank-side function of tests/device/test_device_trainer_ddp.py: Hugging Face ``Trainer`` as a user
+launches it with ``torchrun`` (the pool's ranks have torchrun's environment and no process group:
+accelerate makes the group, as in a user's script)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+
+
+def train_tiny_llama(use_cpu: bool, steps: int = 2) -> dict:
+    """Trains a tiny Llama with ``Trainer`` on this rank (SGD: AdamW's first steps divide each gradient
+    by its own size, which turns float noise in a near-zero gradient into a visible weight difference)."""
+    import tpudist.device  # noqa: F401  (before any backward: torch's autograd engine sizes its queues then)
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 64, (16,), generator=generator)} for _ in range(16)]
+    for row in data:
+        row["labels"] = row["input_ids"].clone()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = TrainingArguments(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=2, learning_rate=0.1,
+                                 optim="sgd", report_to=[], use_cpu=use_cpu, logging_steps=1, save_strategy="no",
+                                 seed=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+    wrapped = trainer.model_wrapped
+    return {
+        "backend": dist.get_backend(), "world_size": dist.get_world_size(), "device": str(args.device),
+        "parallel_mode": str(args.parallel_mode), "wrapped": type(wrapped).__name__,
+        "find_unused_parameters": getattr(wrapped, "find_unused_parameters", None),
+        "param_device": str(next(model.parameters()).device),
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "params": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+    }
