@@ -486,11 +486,113 @@ def _attention(q, k, v, attn_mask, is_causal, scale, dropout_p=0.0, key=None):
     return jnp.einsum("...qk,...kd->...qd", probs, v), lse
 
 
+def _flash_blocks(q_len: int) -> tuple[int, int]:
+    """(queries, keys) per block of torch's CPU flash attention (FlashAttentionKernel.cpp, torch 2.13)."""
+    return (256 if q_len >= 768 else 64 if q_len >= 192 else 32), 512
+
+
+def _flash_scores(q, k, v, attn_mask, is_causal, scale):
+    """float32 ``scale * q @ k.T (+ mask)`` with -inf where a key is hidden, and float32 q, k, v (k, v
+    repeated for grouped-query attention)."""
+    q, k, v = upcast(q), upcast(k), upcast(v)
+    if k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = jnp.repeat(k, rep, axis=-3), jnp.repeat(v, rep, axis=-3)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = jnp.einsum("...qd,...kd->...qk", q, k) * scale
+    if is_causal:
+        scores = jnp.where(jnp.tril(jnp.ones(scores.shape[-2:], jnp.bool_)), scores, -jnp.inf)
+    if attn_mask is not None:
+        scores = (jnp.where(attn_mask, scores, -jnp.inf) if attn_mask.dtype == jnp.bool_
+                  else scores + upcast(attn_mask))
+    return scores, q, k, v, scale
+
+
+def _rounding_to(dtype):
+    """Rounds float32 values to ``dtype``'s precision and keeps them float32 (XLA cannot elide it)."""
+    info = jnp.finfo(dtype)
+    return functools.partial(jax.lax.reduce_precision, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def _flash_low_precision(q, k, v, attn_mask, is_causal, scale):
+    """bf16 flash attention rounded where torch's CPU kernel rounds: it keeps scores, row maxima and
+    sums in float32 but rounds the unnormalised probabilities ``exp(s - running max)`` to the input dtype
+    before multiplying them with V, one block of 512 keys at a time (online softmax), and scales by the
+    reciprocal of the sum at the end. Rounding once instead left 21-32% of bf16 outputs 1 ulp off. With larger
+    scores 6-10% still differ: the kernel's exp is an approximation (exp_u20) whose error moves some roundings."""
+    scores, _, _, v, _ = _flash_scores(q, k, v, attn_mask, is_causal, scale)
+    rounded = _rounding_to(q.dtype)
+    row_max = jnp.full(scores.shape[:-1], -jnp.inf, jnp.float32)
+    row_sum = jnp.zeros(scores.shape[:-1], jnp.float32)
+    acc = jnp.zeros((*scores.shape[:-1], v.shape[-1]), jnp.float32)
+    _, kv_block = _flash_blocks(scores.shape[-2])
+    for n in range(0, scores.shape[-1], kv_block):
+        block = scores[..., n:n + kv_block]
+        new_max = jnp.maximum(row_max, jnp.max(block, axis=-1))
+        live = new_max > -jnp.inf  # a row with every key so far hidden keeps max -inf, sum 0 (no NaN)
+        shift = jnp.where(live, new_max, 0)
+        p = jnp.where(live[..., None], jnp.exp(block - shift[..., None]), 0)
+        rescale = jnp.where(live, jnp.exp(row_max - shift), 1)
+        row_sum = jnp.sum(p, axis=-1) + rescale * row_sum
+        acc = acc * rescale[..., None] + jnp.einsum("...qk,...kd->...qd", rounded(p), v[..., n:n + kv_block, :])
+        row_max = jnp.where(live, new_max, row_max)
+    row_sum = jnp.where(row_sum == 0, 1, row_sum)  # fully masked rows give 0, as torch's kernel
+    row_max = jnp.where(row_max == -jnp.inf, 0, row_max)
+    return acc * (1 / row_sum)[..., None], row_max + jnp.log(row_sum)
+
+
+def _flash_backward(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale):
+    """The backward of torch's CPU kernel: ``p = exp(s - logsumexp)`` (0 where a key is hidden, also in a row
+    that hides every key: that was NaN in dQ and dK), ``dS = p * (dO @ V.T - rowsum(dO * O))``. For bf16 the
+    kernel rounds p and dS to bf16 before their matmuls and accumulates the gradients in bf16 across blocks
+    (dQ over key blocks, dK and dV over query blocks); float16 is computed in float32 and rounded once
+    (measured: its blocked accumulation is not bf16's)."""
+    scores, q32, k32, v32, scale = _flash_scores(q, k, v, attn_mask, is_causal, scale)
+    bf16 = q.dtype == jnp.bfloat16
+    rounded = _rounding_to(q.dtype) if bf16 else (lambda x: x)
+    g = upcast(grad_out)
+    p = jnp.where(scores == -jnp.inf, 0, jnp.exp(scores - upcast(logsumexp)[..., None]))
+    grad_scores = rounded(p * (jnp.einsum("...qd,...kd->...qk", g, v32) - jnp.sum(g * upcast(out), -1)[..., None]))
+    p = rounded(p)
+    q_len, kv_len = scores.shape[-2:]
+    q_block, kv_block = _flash_blocks(q_len) if bf16 else (q_len, kv_len)
+    q_parts = range(0, q_len, q_block)
+    kv_parts = range(0, kv_len, kv_block)
+
+    def matmul(a, b, spec):
+        return jnp.einsum(spec, a, b)
+
+    grad_q = []
+    for m in q_parts:
+        acc = 0.0
+        for n in kv_parts:
+            acc = rounded(acc + scale * matmul(grad_scores[..., m:m + q_block, n:n + kv_block],
+                                               k32[..., n:n + kv_block, :], "...qk,...kd->...qd"))
+        grad_q.append(acc)
+    grad_k, grad_v = [], []
+    for n in kv_parts:
+        acc_k = acc_v = 0.0
+        for m in q_parts:
+            acc_k = rounded(acc_k + scale * matmul(grad_scores[..., m:m + q_block, n:n + kv_block],
+                                                   q32[..., m:m + q_block, :], "...qk,...qd->...kd"))
+            acc_v = rounded(acc_v + matmul(p[..., m:m + q_block, n:n + kv_block], g[..., m:m + q_block, :],
+                                           "...qk,...qd->...kd"))
+        grad_k.append(acc_k)
+        grad_v.append(acc_v)
+    grad_q, grad_k, grad_v = (jnp.concatenate(parts, axis=-2) for parts in (grad_q, grad_k, grad_v))
+    if k.shape[-3] != q.shape[-3]:  # grouped-query attention: the group's heads add up
+        groups = (*k.shape[:-3], k.shape[-3], q.shape[-3] // k.shape[-3], *grad_k.shape[-2:])
+        grad_k, grad_v = (jnp.sum(t.reshape(groups), axis=-3) for t in (grad_k, grad_v))
+    return grad_q, grad_k, grad_v
+
+
 @lowers(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def sdpa_flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     # float() of a traced dropout_p raises JAX's concretization error: the device then compiles the op
     # with its floats as constants, so p == 0 draws no key (as CPU's kernel draws none)
     key = None if float(dropout_p) == 0 else next_key()
+    if key is None and q.dtype == jnp.bfloat16:
+        return _flash_low_precision(q, k, v, attn_mask, is_causal, scale)
     out, lse = _attention(q, k, v, attn_mask, is_causal, scale, dropout_p, key)
     return out, lse.astype(jnp.float32)
 
@@ -503,11 +605,7 @@ def sdpa_flash_cpu_backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_cau
                                   "dropout mask; trace SDPA under the MATH backend "
                                   "(torch.nn.attention.sdpa_kernel(SDPBackend.MATH))")
 
-    def forward(q, k, v):
-        return _attention(q, k, v, attn_mask, is_causal, scale)[0]
-
-    _, pullback = jax.vjp(forward, upcast(q), upcast(k), upcast(v))
-    return pullback(upcast(grad_out).astype(jnp.promote_types(upcast(q).dtype, jnp.float32)))
+    return _flash_backward(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale)
 
 
 # -- weight normalisation ----------------------------------------------------------------------------
