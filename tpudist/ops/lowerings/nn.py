@@ -544,9 +544,9 @@ def _flash_low_precision(q, k, v, attn_mask, is_causal, scale):
 def _flash_backward(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale):
     """The backward of torch's CPU kernel: ``p = exp(s - logsumexp)`` (0 where a key is hidden, also in a row
     that hides every key: that was NaN in dQ and dK), ``dS = p * (dO @ V.T - rowsum(dO * O))``. For bf16 the
-    kernel rounds p and dS to bf16 before their matmuls and accumulates the gradients in bf16 across blocks
-    (dQ over key blocks, dK and dV over query blocks); float16 is computed in float32 and rounded once
-    (measured: its blocked accumulation is not bf16's)."""
+    kernel rounds p and dS to bf16 before their matmuls and accumulates the gradients in bf16 (dQ over key
+    blocks; dK and dV over the query heads of a group, then over query blocks); float16 is computed in float32
+    and rounded once (measured: its blocked accumulation is not bf16's)."""
     scores, q32, k32, v32, scale = _flash_scores(q, k, v, attn_mask, is_causal, scale)
     bf16 = q.dtype == jnp.bfloat16
     rounded = _rounding_to(q.dtype) if bf16 else (lambda x: x)
@@ -569,20 +569,23 @@ def _flash_backward(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, sca
             acc = rounded(acc + scale * matmul(grad_scores[..., m:m + q_block, n:n + kv_block],
                                                k32[..., n:n + kv_block, :], "...qk,...kd->...qd"))
         grad_q.append(acc)
+    rep = q.shape[-3] // k.shape[-3]  # grouped-query attention: the group's query heads add up, one at a time
+
+    def member(t, i):
+        return t.reshape(*t.shape[:-3], k.shape[-3], rep, *t.shape[-2:])[..., i, :, :]
+
     grad_k, grad_v = [], []
     for n in kv_parts:
         acc_k = acc_v = 0.0
-        for m in q_parts:
-            acc_k = rounded(acc_k + scale * matmul(grad_scores[..., m:m + q_block, n:n + kv_block],
-                                                   q32[..., m:m + q_block, :], "...qk,...qd->...kd"))
-            acc_v = rounded(acc_v + matmul(p[..., m:m + q_block, n:n + kv_block], g[..., m:m + q_block, :],
-                                           "...qk,...qd->...kd"))
+        for i in range(rep):
+            for m in q_parts:
+                acc_k = rounded(acc_k + scale * member(matmul(grad_scores[..., m:m + q_block, n:n + kv_block],
+                                                              q32[..., m:m + q_block, :], "...qk,...qd->...kd"), i))
+                acc_v = rounded(acc_v + member(matmul(p[..., m:m + q_block, n:n + kv_block], g[..., m:m + q_block, :],
+                                                      "...qk,...qd->...kd"), i))
         grad_k.append(acc_k)
         grad_v.append(acc_v)
     grad_q, grad_k, grad_v = (jnp.concatenate(parts, axis=-2) for parts in (grad_q, grad_k, grad_v))
-    if k.shape[-3] != q.shape[-3]:  # grouped-query attention: the group's heads add up
-        groups = (*k.shape[:-3], k.shape[-3], q.shape[-3] // k.shape[-3], *grad_k.shape[-2:])
-        grad_k, grad_v = (jnp.sum(t.reshape(groups), axis=-3) for t in (grad_k, grad_v))
     return grad_q, grad_k, grad_v
 
 
