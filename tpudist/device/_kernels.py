@@ -124,6 +124,15 @@ def equal(a, b):
     return bool((a == b).all().item())
 
 
+def native_multi_head_attention(*args, **kwargs):
+    """MultiheadAttention's eval fast path. With ``need_weights=False`` the CPU kernel returns an undefined
+    tensor, None in Python (``out, w = mha(x, x, x, need_weights=False)`` gives w None); the lowering
+    returns the (0,) placeholder of torch's meta kernel, which must not reach the user."""
+    out, weights = core.execute(aten._native_multi_head_attention.default, args, kwargs)
+    need_weights = args[10] if len(args) > 10 else kwargs.get("need_weights", True)
+    return out, weights if need_weights else None
+
+
 def fused_sdp_choice(*args, **kwargs):
     return int(torch.nn.attention.SDPBackend.MATH)  # SDPA's math path: decomposes into lowered ops
 
@@ -254,6 +263,7 @@ _SPECIAL = {
     aten._local_scalar_dense.default: local_scalar_dense,
     aten.equal.default: equal,
     aten._fused_sdp_choice.default: fused_sdp_choice,
+    aten._native_multi_head_attention.default: native_multi_head_attention,
     aten.resize_.default: resize_,
     aten.set_.source_Tensor: set_source_tensor,
     aten.record_stream.default: record_stream,
