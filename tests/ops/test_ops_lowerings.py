@@ -1047,6 +1047,40 @@ def test_index_put_one_value_per_true_element_traces_and_matches_cpu(mask_shape)
         run_on_jax(aten.index_put.default, x, [mask], _t(int(mask.sum()) + 1, *x.shape[mask.ndim:]), jit=False)
 
 
+@pytest.mark.parametrize("case", ["complex", "masked_scatter", "gather_empty"])
+def test_broadcasting_and_empty_index_samples_of_opinfo_match_cpu(case):
+    """OpInfo samples beyond the first that raised: torch.complex of parts of different ranks, the
+    out-of-place masked_scatter of an input smaller than its mask, gather with an empty index of
+    another rank (torch checks ranks only for a non-empty index)."""
+    op, args = {
+        "complex": (aten.complex.default, (_t(5, 1), _t(5))),
+        "masked_scatter": (aten.masked_scatter.default, (_t(5), _t(5, 5, dtype=torch.bool), _t(5, 5))),
+        "gather_empty": (aten.gather.default, (_t(5), 0, torch.empty(2, 0, dtype=torch.int64))),
+    }[case]
+    assert compare(op(*args), run_on_jax(op, *args)) is None
+
+
+@pytest.mark.parametrize("mask_shape", [(3, 4), (3,)])
+def test_index_put_accumulate_with_a_mask_traces_and_matches_cpu(mask_shape):
+    """``x.index_put_((mask,), v, accumulate=True)`` (an OpInfo sample): inside jit, like the assignment."""
+    mask = _t(*mask_shape, dtype=torch.bool)
+    mask.view(-1)[0], mask.view(-1)[-1] = True, False
+    for dtype in (torch.float32, torch.int64, torch.bool):
+        x = _t(3, 4, dtype=dtype)
+        if dtype == torch.float32:
+            x.view(-1)[-1] = -0.0  # an element the mask leaves alone keeps its sign
+        rows = int(mask.sum())
+        row = _t(1, *x.shape[mask.ndim:], dtype=dtype).reshape(x.shape[mask.ndim:])  # 0-d for a full mask
+        for values in (row, _t(1, dtype=dtype), _t(rows, *x.shape[mask.ndim:], dtype=dtype)):
+            expected = aten.index_put(x, [mask], values, True)
+            with jax.enable_x64(True):  # traced: no fallback to concrete values
+                got = to_torch(jax.jit(lambda a, m, v: call(aten.index_put.default, a, [m], v, True))(
+                    to_jax(x), to_jax(mask), to_jax(values)))
+            assert compare(expected, got) is None, (dtype, values.shape)
+            if dtype == torch.float32:
+                assert torch.signbit(got.view(-1)[-1])
+
+
 @pytest.mark.parametrize("shape,kernel,output", [((2, 3, 9, 7), (2, 3), (4, 3)), ((3, 10, 8), (3, 2), (5, 5)),
                                                  ((2, 2, 7, 6, 9), (2, 2, 3), (3, 4, 4)), ((1, 2, 8, 8), (2, 2), (1, 1))])
 def test_fractional_max_pool_from_given_samples_matches_cpu(shape, kernel, output):

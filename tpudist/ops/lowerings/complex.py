@@ -20,7 +20,7 @@ aten = torch.ops.aten
 @lowers(aten.complex.default)
 def complex_(real, imag):
     real, imag = promote(to_float(real), to_float(imag))
-    return lax.complex(real, imag)
+    return lax.complex(*jnp.broadcast_arrays(real, imag))  # torch broadcasts the two parts
 
 
 @lowers(aten.polar.default)

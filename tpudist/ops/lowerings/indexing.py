@@ -2,7 +2,8 @@
 
 Boolean index tensors have data-dependent shapes: ``index`` / ``nonzero`` / ``masked_select`` with a
 mask work only outside ``jax.jit`` (on concrete arrays); inside a traced program they raise. The one
-exception is ``index_put`` with a single mask (``x[mask] = v``), which becomes a ``where``.
+exception is ``index_put`` with a single mask (``x[mask] = v``, ``+=`` with accumulate), which becomes a
+``where``.
 Out-of-range indices are not checked inside jit (JAX clamps gathers and drops scatters).
 """
 
@@ -40,29 +41,42 @@ def index(x, indices):
     return x[_index_tuple(indices, "aten.index")]
 
 
-def _put_per_true(x, mask, values):
-    """``x[mask] = values`` with values (number of Trues, *x.shape[mask.ndim:]), inside jit too: the k-th
-    True takes values[k] (a running count of the mask picks it), so no data-dependent shape arises."""
+def _per_true(x, mask, values):
+    """values (number of Trues, *x.shape[mask.ndim:]) laid out in x's shape, the k-th True's place holding
+    values[k], inside jit too: a running count of the mask picks it, so no data-dependent shape arises."""
     from tpudist.ops.lowerings.asserts import _check  # checked now, or by the program when it runs
 
     _check(jnp.sum(mask) == values.shape[0], f"shape mismatch: value tensor of shape {list(values.shape)} "
            "cannot be broadcast to indexing result: x[mask] = values needs one value per True element of mask")
     position = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, max(values.shape[0] - 1, 0)).reshape(mask.shape)
-    picked = values[position] if values.shape[0] else jnp.zeros(mask.shape + values.shape[1:], values.dtype)
-    keep = mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
-    return jnp.where(keep, picked, x)
+    return values[position] if values.shape[0] else jnp.zeros(mask.shape + values.shape[1:], values.dtype)
+
+
+def _put_mask(x, mask, values, accumulate):
+    """``x[mask] = values`` (``+=`` with ``accumulate``) as a ``where``, or None where values' shape is neither
+    broadcast over the selected elements nor one row per True element."""
+    tail = x.ndim - mask.ndim
+    if values.ndim <= tail or values.size == 1:  # the same values for every selected element
+        placed = values.reshape(values.shape[-tail:] if values.ndim and tail else ())
+    elif values.shape[1:] == x.shape[mask.ndim:]:  # one value per True element, in order
+        placed = _per_true(x, mask, values)
+    else:
+        return None
+    keep = mask.reshape(mask.shape + (1,) * tail)
+    if not accumulate:
+        return jnp.where(keep, placed, x)
+    if x.dtype == jnp.bool_:  # accumulating bools is a logical or
+        return x | (keep & placed)
+    return jnp.where(keep, x + placed, x)  # not x + where(keep, placed, 0): -0.0 elsewhere stays -0.0
 
 
 @lowers(aten.index_put.default, aten._unsafe_index_put.default)
 def index_put(x, indices, values, accumulate=False):
     values = values.astype(x.dtype)
-    if len(indices) == 1 and indices[0] is not None and indices[0].dtype == jnp.bool_ and not accumulate:
-        mask = indices[0]
-        mask = mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
-        if values.ndim <= x.ndim - indices[0].ndim or values.size == 1:
-            return jnp.where(mask, values.reshape(values.shape[-max(0, x.ndim - indices[0].ndim):] if values.ndim else ()), x)
-        if values.shape[1:] == x.shape[indices[0].ndim:]:  # one value per True element, in order
-            return _put_per_true(x, indices[0], values)
+    if len(indices) == 1 and indices[0] is not None and indices[0].dtype == jnp.bool_:
+        out = _put_mask(x, indices[0], values, accumulate)
+        if out is not None:
+            return out
     index = _index_tuple(indices, "aten.index_put")
     if accumulate and x.dtype == jnp.bool_:  # accumulating bools is a logical or
         return x.astype(jnp.int8).at[index].add(values.astype(jnp.int8)) != 0
@@ -92,6 +106,8 @@ def _grid(index, dim):
 
 @lowers(aten.gather.default)
 def gather(x, dim, index, *, sparse_grad=False):
+    if index.size == 0:  # torch checks the index's rank against x's only when it has elements
+        return jnp.zeros(index.shape, x.dtype)
     if x.ndim == 0:
         return jnp.broadcast_to(x, index.shape)
     d = dim_of(dim, x.ndim)
@@ -233,7 +249,7 @@ def index_fill(x, dim, index, value):
 
 @lowers(aten.masked_scatter.default)
 def masked_scatter(x, mask, source):
-    mask = jnp.broadcast_to(mask, x.shape)
+    x, mask = jnp.broadcast_arrays(x, mask)  # the result takes both shapes, as torch's out-of-place op does
     positions = jnp.cumsum(mask.reshape(-1).astype(jnp.int64)) - 1
     values = source.reshape(-1)[jnp.clip(positions, 0, max(source.size - 1, 0))].reshape(x.shape)
     return jnp.where(mask, values.astype(x.dtype), x)
