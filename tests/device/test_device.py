@@ -351,6 +351,20 @@ def run_autocast_default_dtype():
             "cuda": torch.get_autocast_dtype("cuda")}
 
 
+def run_put_on_0d(mode):
+    import tpudist.device  # noqa: F401
+
+    out = {}
+    with torch.tpu.eager_mode(mode):
+        for accumulate in (True, False):
+            for device in ("cpu", "tpu"):
+                x = torch.tensor(1.5, device=device, requires_grad=True)
+                s = torch.tensor(2.5, device=device, requires_grad=True)
+                y = torch.put(x, torch.tensor(0, device=device), s, accumulate)
+                out[(accumulate, device)] = [t.cpu() for t in (y, *torch.autograd.grad(y * 3, (x, s)))]
+    return out
+
+
 def run_module_api():
     import torch.nn.functional as F
 
@@ -707,6 +721,16 @@ def test_autocast_defaults_to_bf16_in_every_thread_like_cpu(dev):
     assert (out["thread"], out["compiled"], out["main_after"], out["get"]) == (torch.bfloat16,) * 4
     assert out["thread_fp16"] == torch.float16
     assert (out["cpu"], out["cuda"]) == (torch.bfloat16, torch.float16)  # other devices untouched
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_put_backward_on_0d_tensors_like_cpu(dev, mode):
+    """put's backward takes the gradient at the index (aten.take): on 0-d tensors torch's decomposition of
+    take read the index with item() inside the traced program, a ConcretizationTypeError."""
+    out = dev(run_put_on_0d, mode)
+    for accumulate in (True, False):
+        for got, ref in zip(out[(accumulate, "tpu")], out[(accumulate, "cpu")]):
+            assert torch.equal(got, ref), accumulate
 
 
 def test_torch_tpu_module(dev):

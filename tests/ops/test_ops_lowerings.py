@@ -70,6 +70,8 @@ DIRECT = [
     (aten.scatter.value_reduce, (F, 0, I.abs() % 3, 2.0), {"reduce": "add"}),
     (aten._unsafe_index_put.default, (F, [torch.tensor([0, 2])], P[:2]), {}),
     (aten._index_put_impl.default, (F, [torch.tensor([0, 2, 2])], P[:3], True, False), {}),
+    (aten.take.default, (F, torch.tensor([[-1, 0], [11, 2]])), {}),
+    (aten.take.default, (torch.tensor(1.5), torch.tensor(0)), {}),  # put's backward on 0-d tensors takes this
     (aten.empty_permuted.default, ([2, 3, 4], [2, 0, 1]), {}),
     (aten.nll_loss2d_forward.default, (torch.log_softmax(_t(2, 3, 4, 4), 1), _t(2, 4, 4, dtype=torch.int64,
                                                                                  low=0, high=3), None, 1, -100), {}),

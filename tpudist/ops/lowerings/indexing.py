@@ -104,6 +104,13 @@ def _grid(index, dim):
     return tuple(grid)
 
 
+@lowers(aten.take.default)
+def take(x, index):
+    """x viewed as 1-d, indexed (negative indices count from the end, as in torch). Lowered rather than
+    decomposed: torch's decomposition checks the bounds with item(), which a traced program cannot."""
+    return x.reshape(-1)[index]
+
+
 @lowers(aten.gather.default)
 def gather(x, dim, index, *, sparse_grad=False):
     if index.size == 0:  # torch checks the index's rank against x's only when it has elements
