@@ -219,14 +219,10 @@ def run_hf_trainer(mode: str) -> dict:
     import tempfile
 
     import tpudist.device  # noqa: F401
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from rank_fns_trainer import tiny_llama_config_and_data
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
-    generator = torch.Generator().manual_seed(0)
-    data = [{"input_ids": torch.randint(0, 64, (16,), generator=generator)} for _ in range(8)]
-    for row in data:
-        row["labels"] = row["input_ids"].clone()
+    cfg, data = tiny_llama_config_and_data(8)
 
     def train(use_cpu, out_dir, resume=None):
         torch.manual_seed(0)

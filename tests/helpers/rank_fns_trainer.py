@@ -9,19 +9,27 @@ import tempfile
 import torch
 
 
+def tiny_llama_config_and_data(rows: int):
+    """A tiny Llama config (tied embeddings) and ``rows`` causal-LM samples of 16 tokens, the same every call."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 64, (16,), generator=generator)} for _ in range(rows)]
+    for row in data:
+        row["labels"] = row["input_ids"].clone()
+    return cfg, data
+
+
 def train_tiny_llama(use_cpu: bool, steps: int = 2) -> dict:
     """Trains a tiny Llama with ``Trainer`` on this rank (SGD: AdamW's first steps divide each gradient
     by its own size, which turns float noise in a near-zero gradient into a visible weight difference)."""
     import tpudist.device  # noqa: F401  (before any backward: torch's autograd engine sizes its queues then)
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
-    generator = torch.Generator().manual_seed(0)
-    data = [{"input_ids": torch.randint(0, 64, (16,), generator=generator)} for _ in range(16)]
-    for row in data:
-        row["labels"] = row["input_ids"].clone()
+    cfg, data = tiny_llama_config_and_data(16)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     with tempfile.TemporaryDirectory() as out_dir:

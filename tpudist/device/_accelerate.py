@@ -6,8 +6,8 @@ for a "tpu" PrivateUse1 device: a multi-process run on one quietly became one pr
 module is imported, its ``PartialState`` takes such a run as ``MULTI_CPU`` processes (DDP, data
 sharding and barriers without device ids, which fit a Python backend) on a "tpu" process group, with
 the device ``tpu:<current>``: what ``recipes/accelerate_ddp.py`` sets up by hand, for unmodified code.
-``cpu=True`` (``use_cpu``), an explicit backend accelerate knows, and every other accelerator keep
-accelerate's own choice.
+``cpu=True`` (``use_cpu``), another backend asked for or made before, and every other accelerator
+keep accelerate's own choice.
 """
 
 from __future__ import annotations
@@ -32,8 +32,14 @@ def _backend_name() -> str:
 
 
 def _on_tpu() -> bool:
+    """torch's accelerator is the "tpu" device, and no process group of another backend exists (gloo
+    made by an earlier ``cpu=True`` state in this process, say: DDP of tpu parameters cannot use it)."""
+    import torch.distributed as dist
+
     accelerator = torch.accelerator.current_accelerator()
-    return accelerator is not None and accelerator.type == "tpu"
+    if accelerator is None or accelerator.type != "tpu":
+        return False
+    return not dist.is_initialized() or dist.get_backend() == _backend_name()
 
 
 def _patch(state_module) -> None:
@@ -47,9 +53,10 @@ def _patch(state_module) -> None:
     def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
         chosen, distributed_type = prepare_backend(self, cpu, sagemaker_dp, backend)
         launched = int(os.environ.get("LOCAL_RANK", -1)) != -1
-        if distributed_type == no and launched and not cpu and not sagemaker_dp and _on_tpu():
+        ours = backend in (None, _backend_name())
+        if distributed_type == no and launched and ours and not cpu and not sagemaker_dp and _on_tpu():
             setattr(self, _FLAG, True)
-            return (backend or _backend_name()), multi_cpu
+            return _backend_name(), multi_cpu
         return chosen, distributed_type
 
     @functools.wraps(set_device)
