@@ -231,7 +231,8 @@ def _bf16_ulps(pairs) -> dict:
 
 
 def run_generate(name: str, mode: str) -> dict:
-    """Greedy ``generate()`` of 8 new tokens on the CPU and on the device in ``mode``."""
+    """Greedy ``generate()`` of 8 new tokens on the CPU and on the device in ``mode``: the tokens, and how far
+    the device's per-step logits are from the CPU's (relative to their largest)."""
     import torch
 
     import tpudist.device  # noqa: F401
@@ -239,14 +240,23 @@ def run_generate(name: str, mode: str) -> dict:
     model, batches = _case(name)
     model.eval()
     inputs = {k: v for k, v in batches[0].items() if k in ("input_ids", "attention_mask")}
-    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True)
     want = model.generate(**inputs, **kwargs)
     fallbacks_before = dict(torch.tpu.cache_stats()["cpu_fallback_ops"])
     with torch.tpu.eager_mode(mode):
-        got = model.to("tpu").generate(**{k: v.to("tpu") for k, v in inputs.items()}, **kwargs).cpu()
+        got = model.to("tpu").generate(**{k: v.to("tpu") for k, v in inputs.items()}, **kwargs)
     fallbacks = {k: v - fallbacks_before.get(k, 0) for k, v in torch.tpu.cache_stats()["cpu_fallback_ops"].items()
                  if v != fallbacks_before.get(k, 0)}
-    return {"want": want.tolist(), "got": got.tolist(), "fallbacks": fallbacks}
+    score_err = 0.0
+    for w, g in zip(want.scores, got.scores):  # logits processors set some scores to -inf (min_new_tokens: eos)
+        g, finite = g.cpu(), w.isfinite()
+        if not torch.equal(finite, g.isfinite()):
+            score_err = float("inf")
+            continue
+        score_err = max(score_err, ((w - g)[finite].abs().max() / w[finite].abs().max()).item())
+    return {"want": want.sequences.tolist(), "got": got.sequences.cpu().tolist(), "score_err": score_err,
+            "num_scores": (len(want.scores), len(got.scores)), "fallbacks": fallbacks}
 
 
 # -- tests --------------------------------------------------------------------------------------------
@@ -273,6 +283,7 @@ def test_greedy_generate_equals_cpu(dev, name, mode):
     out = dev(run_generate, name, mode)
     assert not out["fallbacks"], out
     assert out["got"] == out["want"], out
+    assert out["num_scores"] == (8, 8) and out["score_err"] <= 1e-5, out  # NaN fails too
 
 
 def test_bf16_qwen2_trains_like_cpu_bf16(dev):
