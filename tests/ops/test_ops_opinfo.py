@@ -11,7 +11,8 @@ Selection keeps the suite inside its time budget: the OpInfos whose aten op has 
 ones listed in ``EXTRA`` (ops the device and compile paths need that reach lowerings by another name).
 ``TPUDIST_OPS_ALL=1`` runs every OpInfo in op_db (several minutes).
 ``test_every_lowering_is_exercised`` fails when a registered lowering is reached by no sample here and
-no hand-written case in ``test_ops_lowerings.py``; it prints the coverage summary.
+no hand-written case in ``test_ops_lowerings.py``; it prints the coverage summary. Under pytest-xdist it
+reads what the other workers' ``test_opinfo`` cases already ran (``_publish``) and runs only the rest.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import json
 import os
+import sys
 import time
 import warnings
 
@@ -208,9 +211,58 @@ def _id(info):
     return f"{info.name}.{info.variant_test_name}" if info.variant_test_name else info.name
 
 
+# Under pytest-xdist the test_opinfo cases are spread over the workers and test_every_lowering_is_exercised
+# runs on one of them, which ran every OpInfo another worker had already run a second time (139 s of a CI
+# run). Each worker now publishes what it ran (outcomes, and the lowerings its samples reached) to a file
+# in the run's temporary directory, which xdist's workers share; the coverage check takes those and runs
+# only the OpInfos no worker has run yet, and test_ops_lowerings' cases only if the lowerings they reached
+# on the workers that ran them (published too) leave one uncovered. A file is rewritten whole (os.replace)
+# after every case, so a reader sees, for each worker, the outcomes and lowerings of the same finished cases.
+_RUN_HERE: set[int] = set()
+
+
+def _shared_dir(tmp_path_factory):
+    """The directory the workers of this xdist run share (their basetemps' parent), or None without xdist."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    path = tmp_path_factory.getbasetemp().parent / f"opinfo-{os.environ.get('PYTEST_XDIST_TESTRUNUID', '')}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def _publish(tmp_path_factory):
+    shared = _shared_dir(tmp_path_factory)
+    if shared is None:
+        return
+    outcomes = {i: [[str(o.dtype), o.status, o.detail] for o in run_opinfo(i)] for i in sorted(_RUN_HERE)}
+    seen = set(RECORDER.seen)
+    if "test_ops_lowerings" in sys.modules:  # its cases this worker ran (collected before these, so mostly all)
+        seen |= sys.modules["test_ops_lowerings"].RECORDER.seen
+    data = json.dumps({"outcomes": outcomes, "seen": sorted(str(op) for op in seen)})
+    mine = shared / f"{os.environ['PYTEST_XDIST_WORKER']}.json"
+    partial = mine.with_suffix(".partial")
+    partial.write_text(data)
+    os.replace(partial, mine)
+
+
+def _published(tmp_path_factory) -> tuple[dict[int, tuple], set[str]]:
+    """What the workers of this run have published: outcomes by OpInfo index, and the lowerings their
+    test_opinfo and test_ops_lowerings cases reached."""
+    shared = _shared_dir(tmp_path_factory)
+    outcomes, seen = {}, set()
+    for path in sorted(shared.glob("*.json")) if shared is not None else ():
+        data = json.loads(path.read_text())
+        seen.update(data["seen"])
+        for index, per_dtype in data["outcomes"].items():
+            outcomes[int(index)] = tuple(Outcome(dtype, status, detail) for dtype, status, detail in per_dtype)
+    return outcomes, seen
+
+
 @pytest.mark.parametrize("index", range(len(SELECTED)), ids=[_id(i) for i in SELECTED])
-def test_opinfo(index):
+def test_opinfo(index, tmp_path_factory):
     outcomes = run_opinfo(index)
+    _RUN_HERE.add(index)
+    _publish(tmp_path_factory)
     bad = [o for o in outcomes if o.status in ("mismatch", "error")]
     assert not bad, "\n".join(f"{o.dtype}: {o.status}: {o.detail}" for o in bad)
     if outcomes and all(o.status == "unsupported" for o in outcomes):
@@ -223,25 +275,28 @@ def _aten_lowerings() -> set:
 
 
 @pytest.mark.timeout(1500)  # under xdist it may run every OpInfo itself (6 min alone, more on a loaded machine)
-def test_every_lowering_is_exercised():
+def test_every_lowering_is_exercised(tmp_path_factory):
     started = time.perf_counter()
-    outcomes = [run_opinfo(i) for i in range(len(SELECTED))]
+    elsewhere, seen_elsewhere = _published(tmp_path_factory)  # other xdist workers' test_opinfo cases
+    outcomes = [run_opinfo(i) if i in _RUN_HERE or i not in elsewhere else elsewhere[i]
+                for i in range(len(SELECTED))]
     import test_ops_lowerings  # the hand-written cases for ops no OpInfo reaches
 
-    table = _aten_lowerings()
-    if table - RECORDER.seen - test_ops_lowerings.RECORDER.seen:
+    table = {str(op) for op in _aten_lowerings()}
+    seen = {str(op) for op in RECORDER.seen} | seen_elsewhere
+    if table - seen - {str(op) for op in test_ops_lowerings.RECORDER.seen}:
         # its tests did not run in this process (-k, xdist): run its cases here
         with recording(test_ops_lowerings.RECORDER):
             test_ops_lowerings.run_all_cases()
-    RECORDER.seen |= test_ops_lowerings.RECORDER.seen
+    seen |= {str(op) for op in test_ops_lowerings.RECORDER.seen}
     counts = collections.Counter(o.status for per_op in outcomes for o in per_op)
     reasons = collections.Counter(o.detail for per_op in outcomes for o in per_op if o.status == "unsupported")
     ops_passing = sum(1 for per_op in outcomes if per_op and all(o.status in ("pass", "reference_error",
                                                                                "no_samples") for o in per_op))
-    missing = sorted(str(op) for op in table - RECORDER.seen)
-    print(f"\nOpInfo coverage: {len(SELECTED)} OpInfos, {ops_passing} with every sample passing; "
-          f"samples: {dict(counts)}; lowerings exercised {len(RECORDER.seen & table)}/{len(table)} "
-          f"({time.perf_counter() - started:.0f} s for what had not run yet)")
+    missing = sorted(table - seen)
+    print(f"\nOpInfo coverage: {len(SELECTED)} OpInfos ({len(set(elsewhere) - _RUN_HERE)} run by other "
+          f"workers), {ops_passing} with every sample passing; samples: {dict(counts)}; lowerings exercised "
+          f"{len(seen & table)}/{len(table)} ({time.perf_counter() - started:.0f} s for what had not run yet)")
     for reason, n in reasons.most_common():
         print(f"  skipped {n:3d} samples: reaches {reason} (no lowering)")
     assert not missing, f"{len(missing)} registered lowerings are exercised by no test: {missing}"
