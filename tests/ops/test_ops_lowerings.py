@@ -739,6 +739,7 @@ def run_all_cases():
     test_amp_check_and_unscale_matches_cpu(_INF, 0.0)
     test_amp_update_scale_matches_cpu(1, 0.0, 8.0)
     test_weight_norm_interface_backward_matches_cpu((5, 3), 0, torch.float32)
+    test_grid_sampler_2d_backward_matches_cpu(0, 0, False)
     for op, failing, passing, message in _ASSERT_CASES:
         test_assertions_raise_as_torch_does_concrete_and_traced(op, failing, passing, message)
     _run_nn_extra_cases()
