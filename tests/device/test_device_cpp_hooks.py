@@ -92,7 +92,7 @@ answers = {
     "count": ask(torch.accelerator.device_count),
     "index": ask(torch.accelerator.current_device_index),
     "hooks_count": ask(torch._C._accelerator_hooks_device_count),
-    "generator": ask(lambda: torch.Generator("tpu")),
+    "generator": ask(lambda: torch.Generator("tpu").device),
     "device_is_pinned": ask(lambda: torch.ones(2, device="tpu").is_pinned()),
     "sum": ask(lambda: (torch.ones(2, device="tpu") * 3).sum().item()),
     "backward": ask(lambda: torch.ones(2, device="tpu", requires_grad=True).mul(2).sum().backward()),
@@ -117,7 +117,7 @@ def probed() -> dict:
     return got
 
 
-_DIFFERENT = ("warnings", "active", "empty_pinned")  # what the two hooks answer differently, by design
+_DIFFERENT = ("warnings", "active", "empty_pinned", "generator")  # what the two hooks answer differently, by design
 
 
 def test_cpp_hooks_answer_what_the_python_hooks_answered(probed):
@@ -127,12 +127,14 @@ def test_cpp_hooks_answer_what_the_python_hooks_answered(probed):
     assert {k: v for k, v in cpp.items() if k not in _DIFFERENT} == {k: v for k, v in python.items()
                                                                      if k not in _DIFFERENT}
     assert (cpp["warnings"], cpp["active"], cpp["empty_pinned"]) == ([], True, "True")
+    assert cpp["generator"] == "device(type='tpu', index=0)"  # getNewGenerator (test_device_generator.py)
     assert cpp["accelerator"] == "device(type='tpu')" and cpp["sum"] == "6.0" and cpp["pin_memory"] == "True"
 
 
 def _check_warning(messages: list, reason: str) -> None:
     assert len(messages) == 1, messages
-    for named in (reason, "find_unused_parameters=True", "static_graph=True", "pin_memory=True", "install g++"):
+    for named in (reason, "find_unused_parameters=True", "static_graph=True", "pin_memory=True",
+                  "torch.Generator(device='tpu')", "install g++"):
         assert named in messages[0], (named, messages[0])
 
 
@@ -141,6 +143,7 @@ def test_fallback_with_env_zero_warns_once_and_the_device_works(probed):
     _check_warning(python["warnings"], "TPUDIST_CPP_HOOKS=0")
     assert python["active"] is False
     assert python["empty_pinned"] == "NotImplementedError"  # torch's own error, as before the C++ hooks
+    assert python["generator"] == "NotImplementedError"  # torch's ("implement getNewGenerator"); the warning says it
     assert python["pin_memory"] == "True" and python["sum"] == "6.0"  # device/_pinned.py; the device works
 
 

@@ -824,6 +824,8 @@ def execute(op, args, kwargs):
     The hot path of every op: a cache hit goes from the signature to the recorder (Fused) or the
     jitted kernel (Strict) with no other call; anything else goes through ``_resolve``.
     """
+    if kwargs and kwargs.get("generator") is not None:  # draw from the generator's stream, not the default
+        return rt.run_with_generator(execute, op, args, kwargs)
     mode = rt.get_mode()
     # the weak dict's own ``__len__`` is Python code (~0.2 us an op); its dict is what it holds (an
     # entry whose buffer just died only sends the op through _grow.plan, which finds nothing grown)
@@ -848,14 +850,14 @@ def execute(op, args, kwargs):
         rt.stats["hits"] += 1
     if mode == "fused":
         if kernel.random:
-            scalars = scalars + list(rt.next_rng())
+            scalars = scalars + list(rt.next_rng(args))
         return _fused.record(kernel, leaves, buffers, scalars)
     return _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars)
 
 
 def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
     if kernel.random:
-        scalars = scalars + list(rt.next_rng())
+        scalars = scalars + list(rt.next_rng(args))
     if mode == "fused":
         return _fused.record(kernel, leaves, buffers, scalars)
     arrays = []

@@ -36,7 +36,7 @@ built_here = False  # whether this process compiled the library (tests: concurre
 
 
 class CppHooksWarning(RuntimeWarning):
-    """The C++ hooks are not in use: pinned host memory allocated in C++ is unavailable."""
+    """The C++ hooks are not in use: pinned host memory allocated in C++ and tpu generators are unavailable."""
 
 
 def enabled() -> bool:
@@ -104,8 +104,9 @@ def _fallback(reason: str) -> bool:
     warnings.warn(
         f"tpudist.device uses torch's Python PrivateUse1 hooks ({reason}). Without its C++ hooks, pinned host "
         "memory allocated in C++ does not work: DDP(find_unused_parameters=True) and DDP(static_graph=True) on "
-        "tpu models, torch.empty(..., pin_memory=True) raise (Tensor.pin_memory() and DataLoader(pin_memory=True) "
-        "still work). Fix: install g++ and ninja (the hooks build once per user into "
+        "tpu models, torch.empty(..., pin_memory=True) and torch.Generator(device='tpu') raise (Tensor.pin_memory() "
+        "and DataLoader(pin_memory=True) still work; without a tpu generator, seed the device's default stream "
+        "with torch.manual_seed). Fix: install g++ and ninja (the hooks build once per user into "
         f"{build_dir().parent}) and leave TPUDIST_CPP_HOOKS unset.", CppHooksWarning, stacklevel=4)
     return False
 

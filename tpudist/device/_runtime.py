@@ -13,6 +13,8 @@ import threading
 import warnings
 from collections import Counter
 
+from torch import Generator as _TorchGenerator
+
 LOCK = threading.RLock()
 MODES = ("debug", "strict", "fused")
 _MODE_ENV = "TPUDIST_EAGER_MODE"
@@ -160,15 +162,63 @@ def warn_fallback(name: str) -> None:
                       stacklevel=4)
 
 
-def next_rng() -> tuple[int, int]:
-    global counter
+_SEED_MASK = 0xFFFFFFFF  # keys are jax.random.key(uint32 seed): the seed's low 32 bits
+_generator = None  # the tpu torch.Generator the running op draws from; None: the default stream above
+_drawn = False  # whether the running op drew from _generator
+
+
+def next_rng(args=()) -> tuple[int, int]:
+    """(seed, counter) of the running random op: the key is fold_in(key(seed), counter). ``args`` are the
+    op's positional arguments: a few ops (``poisson``, ``rrelu_with_noise``) take their generator there."""
+    global counter, _drawn
+    generator = _generator
+    if generator is None:
+        generator = next((a for a in args if isinstance(a, _TorchGenerator)), None)
+        if generator is not None:
+            _check_device(generator, "a random op taking its generator positionally")
+    if generator is not None:
+        # a tpu Generator's offset counts the ops drawn from it, as ``counter`` does for the default stream
+        offset = generator.get_offset() + 1
+        generator.set_offset(offset)
+        _drawn = True
+        return generator.initial_seed() & _SEED_MASK, offset
     counter += 1
     return seed, counter
 
 
 def manual_seed(value: int) -> None:
     global seed, counter
-    seed, counter = int(value) & 0xFFFFFFFF, 0
+    seed, counter = int(value) & _SEED_MASK, 0
+
+
+def _check_device(generator, op) -> None:
+    if generator.device.type != "tpu":
+        raise RuntimeError(
+            f"Expected a 'tpu' device type for generator but found '{generator.device.type}': {op} on tpu "
+            "tensors draws from a generator of the device, torch.Generator(device='tpu').manual_seed(seed) "
+            "(or pass no generator: the device's default stream, seeded by torch.manual_seed)")
+
+
+def run_with_generator(run, op, args, kwargs):
+    """``run(op, args, kwargs)`` with ``kwargs["generator"]`` (a torch.Generator) set to None: the op's
+    random numbers come from that generator's stream, and the default stream does not move. Call it
+    holding ``LOCK``. A generator of another device raises, as CUDA's ops do; an op that ran without
+    drawing from the generator (the CPU fallback) raises rather than return another stream's numbers."""
+    global _generator, _drawn
+    generator = kwargs["generator"]
+    _check_device(generator, op)
+    saved = _generator, _drawn
+    _generator, _drawn = generator, False
+    try:
+        result = run(op, args, {**kwargs, "generator": None})  # required in the .generator overloads
+        if not _drawn:
+            raise NotImplementedError(
+                f"{op} with generator= ran without drawing from the generator (an op run by the CPU fallback "
+                "draws from CPU's stream): its result does not come from the generator's stream. Pass no "
+                "generator, or draw on CPU with a CPU generator and move the result to the device.")
+    finally:
+        _generator, _drawn = saved
+    return result
 
 
 def _follow_a_booted_process_group() -> None:

@@ -11,16 +11,86 @@
 // - isPinnedPtr: true for any address inside a live block of that allocator.
 // - resizePrivateUse1Bytes: a clear error. A tpu storage's memory is a jax.Array held by the storage's
 //   Python object (device/_storage.py), out of reach here; FSDP2's resizes go through device/_fsdp.py.
+// - getNewGenerator: torch.Generator(device="tpu"). Its state is the device stream's (seed, counter)
+//   pair: the offset is the number of random ops drawn since the seed, and the k-th op drawing from it
+//   uses the key fold_in(key(seed), k) (device/_runtime.py advances the offset through the Python API).
+//   getDefaultGenerator stays torch's error: the device's default stream is torch.tpu's (_runtime.py).
 
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Generator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/GeneratorImpl.h>
 #include <c10/core/impl/alloc_cpu.h>
 
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <mutex>
 
 namespace {
+
+// A tpu generator's state: (seed, offset) as two int64s, 16 bytes of a CPU uint8 tensor, the layout of
+// torch.tpu.get_rng_state() (device/_module.py).
+constexpr int64_t kStateBytes = 2 * sizeof(uint64_t);
+
+class TpuGeneratorImpl final : public c10::GeneratorImpl {
+ public:
+  explicit TpuGeneratorImpl(c10::DeviceIndex index, uint64_t seed = c10::default_rng_seed_val)
+      : c10::GeneratorImpl(c10::Device(c10::DeviceType::PrivateUse1, index),
+                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
+        seed_(seed) {}
+
+  void set_current_seed(uint64_t seed) override {
+    seed_ = seed;
+    offset_ = 0;
+  }
+
+  void set_offset(uint64_t offset) override {
+    offset_ = offset;
+  }
+
+  uint64_t get_offset() const override {
+    return offset_;
+  }
+
+  uint64_t current_seed() const override {
+    return seed_;
+  }
+
+  uint64_t seed() override {
+    set_current_seed(c10::detail::getNonDeterministicRandom());
+    return seed_;
+  }
+
+  void set_state(const c10::TensorImpl& new_state) override {
+    at::detail::check_rng_state(new_state);
+    TORCH_CHECK(new_state.numel() == kStateBytes, "a tpu generator's state is ", kStateBytes,
+                " bytes (seed and offset, as get_state() returns them); got ", new_state.numel());
+    uint64_t values[2];
+    std::memcpy(values, new_state.data(), kStateBytes);
+    seed_ = values[0];
+    offset_ = values[1];
+  }
+
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    auto state = at::detail::empty_cpu({kStateBytes}, c10::ScalarType::Byte, std::nullopt, std::nullopt,
+                                       std::nullopt, std::nullopt);
+    const uint64_t values[2] = {seed_, offset_};
+    std::memcpy(state.mutable_data_ptr(), values, kStateBytes);
+    return state.getIntrusivePtr();
+  }
+
+ private:
+  TpuGeneratorImpl* clone_impl() const override {
+    auto* copy = new TpuGeneratorImpl(device_.index(), seed_);
+    copy->offset_ = offset_;
+    return copy;
+  }
+
+  uint64_t seed_;
+  uint64_t offset_ = 0;
+};
 
 class PinnedHostAllocator final : public c10::Allocator {
  public:
@@ -103,6 +173,10 @@ struct TpuHooks final : public at::PrivateUse1HooksInterface {
 
   c10::Allocator* getPinnedMemoryAllocator() const override {
     return &PinnedHostAllocator::instance();
+  }
+
+  at::Generator getNewGenerator(c10::DeviceIndex device_index) const override {
+    return at::make_generator<TpuGeneratorImpl>(device_index < 0 ? 0 : device_index);
   }
 
   void resizePrivateUse1Bytes(const c10::Storage& /*storage*/, size_t newsize) const override {
