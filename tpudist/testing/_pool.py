@@ -1,20 +1,29 @@
 """A pool of rank processes that stays up across test cases.
 
-Each rank is a ``python -m tpudist.testing._worker`` subprocess in its own session, so a hang or a
-crash is ended by PID (the whole process group of the rank, children included) and never outlives
-the pool. Start-up (importing torch and JAX, booting the process group) is paid once per pool.
+Each rank is a process in its own session, so a hang or a crash is ended by PID (the whole process
+group of the rank, children included) and never outlives the pool. A rank is forked from a preload
+server (one per pytest process and import-time environment, see :class:`_PreloadServer`) that has
+imported torch, JAX and tpudist's backend once: those imports cost a fresh interpreter 6-10 s of
+CPU per rank. ``TPUDIST_POOL_START=fresh`` starts every rank as ``python -m
+tpudist.testing._worker`` instead, as does a server that fails to start. Booting the process group
+is paid once per pool.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import os
 import pickle
 import secrets
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any, Callable
 
@@ -74,8 +83,9 @@ class RankPool:
         self.topology = topology
         self.env = dict(env or {})
         self.timeout = timeout
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen | _ForkedRank] = []
         self._conns: list[Connection] = []
+        self.started_by: str | None = None  # "fork" (from a preload server) or "fresh", once started
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "RankPool":
@@ -97,11 +107,13 @@ class RankPool:
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         master_port = free_port()
         try:
-            for rank in range(self.world_size):
-                env = self._rank_env(rank, master_port, listener.address[1], authkey)
-                self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "tpudist.testing._worker"], env=env,
-                    start_new_session=True, stdin=subprocess.DEVNULL))
+            envs = [self._rank_env(rank, master_port, listener.address[1], authkey)
+                    for rank in range(self.world_size)]
+            server = _preload_server(envs[0])
+            self.started_by = "fresh" if server is None else "fork"
+            starts[self.started_by] += 1
+            for env in envs:
+                self._procs.append(_start_fresh(env) if server is None else server.fork(env))
             conns: dict[int, Connection] = {}
             deadline = time.monotonic() + _START_TIMEOUT_S
             listener._listener._socket.settimeout(1.0)  # noqa: SLF001 - accept() must not block forever
@@ -196,7 +208,7 @@ class RankPool:
                 try:
                     results[rank] = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
-                    results[rank] = ("err", f"rank {rank} died (exit code {self._procs[rank].poll()})")
+                    results[rank] = ("err", f"rank {rank} died (exit code {_exit_code(self._procs[rank])})")
         failures = {r: v for r, (status, v) in results.items() if status == "err"}
         if failures:
             # A failed collective can leave communicators poisoned: the next run starts afresh.
@@ -205,16 +217,211 @@ class RankPool:
         return [results[r][1] for r in range(self.world_size)]
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
+def _exit_code(proc: subprocess.Popen | _ForkedRank) -> int | None:
+    """The exit code of a rank whose connection closed: it is ending, give it a moment."""
+    try:
+        return proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _start_fresh(env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tpudist.testing._worker"], env=env,
+                            start_new_session=True, stdin=subprocess.DEVNULL)
+
+
+def _kill_session(proc: subprocess.Popen | _ForkedRank) -> None:
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        except ProcessLookupError:  # a forked rank that has not called setsid() yet
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not time out
         pass
+
+
+# -- preloaded starts ------------------------------------------------------------------------------
+# Variables a rank may have other values of than its preload server: set in the forked rank before
+# its first function runs. The rank's own variables, and tpudist's and XLA's flags unless the
+# server's imports read them (XLA reads XLA_FLAGS when JAX creates its backend, in the rank; checked:
+# XLA_FLAGS set after `import jax` still sets the CPU device count). Any other difference, e.g. a
+# JAX_* or TORCH_DISTRIBUTED_DEBUG (read by `import torch.distributed`) or OMP_NUM_THREADS (read
+# when libgomp loads) value, gets a server of its own.
+_RANK_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                             "MASTER_PORT", "TPUDIST_POOL_PORT", "TPUDIST_POOL_KEY", "PYTEST_CURRENT_TEST"})
+_MAX_IDLE_SERVERS = 2  # each holds torch and JAX (~0.5 GB); one with live ranks is never ended
+_servers: dict[frozenset, _PreloadServer | None] = {}  # by environment; None: failed to start
+_read_at_import: frozenset[str] | None = None  # what the servers' imports read, once one has started
+_servers_lock = threading.Lock()
+starts: collections.Counter = collections.Counter()  # "fork" / "fresh": how pools started their ranks
+
+
+def _late(name: str) -> bool:
+    if name in _RANK_VARIABLES:
+        return True
+    candidate = name.startswith("TPUDIST_") or name == "XLA_FLAGS"
+    return candidate and (_read_at_import is None or name not in _read_at_import)
+
+
+def _preload_server(env: dict[str, str]) -> _PreloadServer | None:
+    """The server whose imports saw what ``env`` would have shown them (started if need be), or
+    None: start ranks fresh (``TPUDIST_POOL_START=fresh``, or that server failed to start)."""
+    global _read_at_import
+    if os.environ.get("TPUDIST_POOL_START", "fork") == "fresh":
+        return None
+    with _servers_lock:
+        while True:
+            key = frozenset((k, v) for k, v in env.items() if not _late(k))
+            server = _servers.pop(key, None) if key in _servers else _start_server(dict(key))
+            if server is not None and server.exit_code is not None:  # killed from outside
+                server = _start_server(dict(key))
+            _servers[key] = server  # most recently used last
+            if server is None or _read_at_import is not None:
+                break
+            _read_at_import = server.read_at_import  # then the key may be finer: look again
+        _end_idle_servers()
+        return server
+
+
+def _start_server(env: dict[str, str]) -> _PreloadServer | None:
+    try:
+        return _PreloadServer(env)
+    except (OSError, RuntimeError) as e:
+        warnings.warn(f"tpudist.testing: the rank preload server did not start ({e}); ranks of pools "
+                      "with this environment start as fresh interpreters", stacklevel=4)
+        return None
+
+
+def _end_idle_servers() -> None:
+    idle = [key for key, server in _servers.items() if server is not None and not server.busy]
+    for key in idle[:max(0, len(idle) - _MAX_IDLE_SERVERS)]:
+        _servers.pop(key).close()
+
+
+@atexit.register
+def _end_servers() -> None:
+    for server in _servers.values():
+        if server is not None:
+            server.close()
+    _servers.clear()
+
+
+class _PreloadServer:
+    """``python -m tpudist.testing._worker --preload``, started with ``env``: it imports what every
+    rank imports, then forks ranks on request (see ``tpudist.testing._worker.serve_preloaded``)."""
+
+    def __init__(self, env: dict[str, str]):
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "tpudist.testing._worker", "--preload", str(theirs.fileno())],
+                env=env, pass_fds=[theirs.fileno()], start_new_session=True, stdin=subprocess.DEVNULL)
+        self._ranks: list[_ForkedRank] = []
+        self._owner = os.getpid()
+        self._lock = threading.Lock()  # one request and its answer at a time
+        try:
+            kind, value = self._receive(_START_TIMEOUT_S)
+            if kind != "ready":
+                raise RuntimeError(f"its imports failed:\n{value}")
+        except BaseException:
+            self.close()
+            raise
+        self.read_at_import = frozenset(value)
+
+    @property
+    def exit_code(self) -> int | None:
+        return self._proc.poll()
+
+    @property
+    def busy(self) -> bool:
+        self._ranks = [rank for rank in self._ranks if rank.poll() is None]
+        return bool(self._ranks)
+
+    def fork(self, env: dict[str, str]) -> _ForkedRank:
+        """A new rank with ``env``, in the current directory, writing to this process's stdout and
+        stderr (so pytest captures it with the test that started it)."""
+        if os.getpid() != self._owner:
+            raise RuntimeError("a preload server serves the process that started it only")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with theirs, self._lock:
+            socket.send_fds(self._sock, [pickle.dumps((env, os.getcwd()))], [theirs.fileno(), 1, 2])
+            kind, pid = self._receive(_START_TIMEOUT_S)
+        rank = _ForkedRank(pid, ours)
+        self._ranks.append(rank)
+        return rank
+
+    def _receive(self, timeout: float) -> tuple[str, Any]:
+        from tpudist.testing._worker import MAX_MESSAGE  # not at import: `-m` runs it as __main__
+
+        self._sock.settimeout(timeout)
+        try:
+            message = self._sock.recv(MAX_MESSAGE)
+        except socket.timeout:
+            raise RuntimeError(f"the preload server (pid {self._proc.pid}) did not answer within "
+                               f"{timeout}s") from None
+        if not message:
+            raise RuntimeError(f"the preload server (pid {self._proc.pid}) exited with code "
+                               f"{self._proc.wait()}")
+        return pickle.loads(message)
+
+    def close(self) -> None:
+        self._sock.close()
+        _kill_session(self._proc)
+
+
+class _ForkedRank:
+    """A rank forked by a preload server, with the part of ``subprocess.Popen`` that RankPool uses.
+
+    The server reports the rank's wait status on ``status`` when it ends. If the server itself has
+    gone, the rank (no longer anyone's child here) is alive as long as its PID is.
+    """
+
+    def __init__(self, pid: int, status: socket.socket):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._status: socket.socket | None = status
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            if self._status is None:
+                self._probe_orphan()
+            elif select.select([self._status], [], [], 0)[0]:
+                self._read_status()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            if self._status is not None:
+                select.select([self._status], [], [], left)
+            else:
+                time.sleep(0.05 if left is None else min(0.05, left))
+        return self.returncode
+
+    def _read_status(self) -> None:
+        from tpudist.testing._worker import STATUS
+
+        data = self._status.recv(STATUS.size)
+        self._status.close()
+        self._status = None
+        if len(data) == STATUS.size:
+            self.returncode = os.waitstatus_to_exitcode(STATUS.unpack(data)[0])
+        else:
+            self._probe_orphan()
+
+    def _probe_orphan(self) -> None:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            self.returncode = -signal.SIGKILL  # unknown; it is gone
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, backend: str | None = "tpu",

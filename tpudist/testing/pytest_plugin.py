@@ -21,7 +21,9 @@ Marker arguments: ``world_size`` (default 2), ``topology`` (``TPUDIST_TOPOLOGY``
 none), ``timeout`` (seconds the test may take on the ranks, default 120: then every rank is killed
 and the test fails as timed out), ``env`` (extra environment variables). A marked test must be a
 module-level function; its arguments (fixtures, parametrize values) are pickled to the ranks. A
-failing rank fails the test with that rank's traceback; each rank process is ended by PID.
+failing rank fails the test with that rank's traceback; each rank process is ended by PID. Rank
+processes are forked from a server that imported torch and JAX once per pytest process (see
+``tpudist.testing._pool``; ``TPUDIST_POOL_START=fresh`` starts each as a new interpreter).
 
 The ``tpudist_pool`` fixture is a :class:`~tpudist.testing.RankPool` shared by the tests of one
 module, configured by a module-level ``tpudist_pool_options`` dict (the ``RankPool`` keyword
