@@ -173,9 +173,11 @@ def next_rng(args=()) -> tuple[int, int]:
     global counter, _drawn
     generator = _generator
     if generator is None:
-        generator = next((a for a in args if isinstance(a, _TorchGenerator)), None)
-        if generator is not None:
-            _check_device(generator, "a random op taking its generator positionally")
+        for a in args:  # a loop, not next(genexpr): this runs for every random op (~8x cheaper)
+            if a.__class__ is _TorchGenerator:
+                _check_device(a, "a random op taking its generator positionally")
+                generator = a
+                break
     if generator is not None:
         # a tpu Generator's offset counts the ops drawn from it, as ``counter`` does for the default stream
         offset = generator.get_offset() + 1
