@@ -76,13 +76,15 @@ def _patch_fsdp(state_module) -> None:
     types (accelerate 1.16 turns an FSDP plugin on only for those, and otherwise trains with DDP)."""
     cls = state_module.AcceleratorState
     init, distributed_type = cls.__init__, state_module.DistributedType
+    signature = inspect.signature(init)
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        plugin = inspect.signature(init).bind(self, *args, **kwargs).arguments.get("fsdp_plugin")
-        asked = plugin is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-        if not (asked and getattr(self, _FLAG, False) and self.distributed_type == distributed_type.MULTI_CPU):
+        init(self, *args, **kwargs)  # accelerate makes its state often: the cheap tests first
+        if not (getattr(self, _FLAG, False) and self.distributed_type == distributed_type.MULTI_CPU):
+            return
+        plugin = signature.bind(self, *args, **kwargs).arguments.get("fsdp_plugin")
+        if plugin is None and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
             return
         if plugin is not None and plugin.fsdp_version != 2:
             # FSDP1 frees and re-allocates its flat parameters with UntypedStorage.resize_, which a tpu
