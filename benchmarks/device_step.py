@@ -413,6 +413,10 @@ def main(argv=None) -> None:
     costs = per_op_costs()
     print("per-op (64x64 add, median of 5; *_cpu_us: the calling thread's CPU time): "
           + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
+    from tpudist.device import _core, _fastpath
+
+    print("per-op signature and output tensors: " + ("C++ (device/csrc/fastpath.cpp)" if _core._fast is not None
+                                                     else f"Python ({_fastpath.reason})"))
     missed = [k for k in ("fused_cpu_us", "strict_overhead_cpu_us") if costs[k] > TARGETS[k]]
     missed += [k for k, v in (("fused_over_strict", -fused_over_strict), ("fused_over_compiled", fused_over_compiled))
                if v > (TARGETS[k] if k == "fused_over_compiled" else -TARGETS[k])]

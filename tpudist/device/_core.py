@@ -36,6 +36,7 @@ from tpudist.device._storage import (  # noqa: F401  (re-exported: the kernels m
     _ATTR, X64, Buffer, Lazy, _create_empty, _retype, buffer_of, flush, from_cpu, is_tpu, new_tensor, tensor_over,
     to_cpu, to_jax, to_torch, value_of,
 )
+from tpudist.device._storage import outputs as _outputs
 
 aten = torch.ops.aten
 META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)  # noqa: SLF001
@@ -272,8 +273,10 @@ def _device_mismatch(op, other):
                         "with .to('tpu') or .cpu())")
 
 
-def _signature(op, args, kwargs, static_floats: bool):
-    """(key, slot buffers, scalar values) of one call; leaves are described, not copied.
+def _signature_py(op, args, kwargs, static_floats: bool):
+    """(key, leaves, slot buffers, scalar values) of one call; leaves are described, not copied.
+
+    The reference: ``_signature`` is its C++ twin (``_fastpath``) where that built, with the same keys.
 
     This runs for every op (it is most of an op's host cost in Fused mode): one pass over the leaves,
     no pytree, each tensor's facts read once (each read is a C call of ~60-160 ns, the floor of this
@@ -886,11 +889,7 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
     if num_written:
         for slot, value in zip(kernel.written_slots, outs):
             buffers[slot].value = value
-    fresh = []
-    for (shape, dtype, numel), value in zip(kernel.outputs, outs[num_written:] if num_written else outs):
-        t = _create_empty(shape, dtype)  # tensor_over, inlined: this runs for every output of every op
-        t.untyped_storage()._tpudist_buffer = Buffer(numel, dtype, value)
-        fresh.append(t)
+    fresh = _outputs(kernel.outputs, outs[num_written:] if num_written else outs, None, 0, None)
     if mode == "debug" and rt.nan_check():
         check_nans(op, outs)
     return fresh[0] if kernel.single_result else result_of(kernel, leaves, fresh)
@@ -998,4 +997,11 @@ def copy_from_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
     execute(aten.copy_.default, (dst, tmp), {})
 
 
-from tpudist.device import _fused, _grow  # noqa: E402  (last: both import names of this module)
+from tpudist.device import _fused, _grow, _storage  # noqa: E402  (last: both import names of this module)
+
+# the per-op signature: C++ where it built (same keys; it hands odd calls to _signature_py), else Python
+_signature = _signature_py
+_fast = _storage._fast
+if _fast is not None:
+    _fast.init(_signature_py, _host_spec, _META_DEVICE, torch.Tensor, torch.nn.Parameter, _ATTR)
+    _signature = _fast.signature

@@ -21,8 +21,9 @@ import jax
 import numpy as np
 
 from tpudist.device import _runtime as rt
-from tpudist.device._core import Buffer, Lazy, result_of
-from tpudist.device._storage import _ATTR, X64, _create_empty
+from tpudist.device._core import Lazy, result_of
+from tpudist.device._storage import _ATTR, X64
+from tpudist.device._storage import outputs as _outputs
 
 _CAP_ENV = "TPUDIST_FUSED_MAX_OPS"
 assert _ATTR == "_tpudist_buffer"  # record() sets the storage's buffer under this name
@@ -79,15 +80,9 @@ def record(kernel, leaves, buffers, scalars):
             b.value = Lazy(g, index)
             written.append(_weakref(b))
             index += 1
-    fresh = []
-    for shape, dtype, numel in kernel.outputs:
-        b = Buffer(numel, dtype, Lazy(g, index))
-        t = _create_empty(shape, dtype)  # tensor_over, inlined: this runs for every output of every op
-        t.untyped_storage()._tpudist_buffer = b
-        fresh.append(t)
-        written.append(_weakref(b))
-        index += 1
-    g.num_values = index
+    outputs = kernel.outputs
+    fresh = _outputs(outputs, None, g, index, written)
+    g.num_values = index + len(outputs)
     if len(nodes) >= g.cap:
         flush()
     return fresh[0] if kernel.single_result else result_of(kernel, leaves, fresh)

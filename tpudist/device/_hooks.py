@@ -48,15 +48,16 @@ def enabled() -> bool:
     return value == "1"
 
 
-def build_dir() -> Path:
-    """The folder of this torch build's and this source's library (it may not exist yet)."""
-    root = os.environ.get("TPUDIST_CPP_HOOKS_DIR")
+def build_dir(source: Path = _SOURCE, root: str | None = None) -> Path:
+    """The folder of this torch build's and this source's library (it may not exist yet); ``root`` defaults
+    to the hooks' (``_fastpath`` builds another source under its own root)."""
+    root = root or os.environ.get("TPUDIST_CPP_HOOKS_DIR")
     if not root:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tpudist" / "cpp_hooks"
     key = hashlib.sha256()
     for part in (torch.__version__, torch.version.git_version, str(torch._C._GLIBCXX_USE_CXX11_ABI)):  # noqa: SLF001
         key.update(part.encode() + b"\0")
-    key.update(_SOURCE.read_bytes())
+    key.update(source.read_bytes())
     return Path(root).expanduser() / f"torch-{torch.__version__}-{key.hexdigest()[:16]}"
 
 
@@ -68,12 +69,12 @@ def _built(folder: Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def build() -> Path:
+def build(source: Path = _SOURCE, name: str = _NAME, root: str | None = None) -> Path:
     """The built library's path: built now under the folder's lock unless a process built it before.
 
     Raises whatever the build raised (no compiler, a compile error)."""
     global built_here
-    folder = build_dir()
+    folder = build_dir(source, root)
     path = _built(folder)
     if path is not None:
         return path
@@ -91,8 +92,8 @@ def build() -> Path:
         (folder / "lock").unlink(missing_ok=True)
         from torch.utils import cpp_extension
 
-        built_here = True
-        path = Path(cpp_extension.load(_NAME, [str(_SOURCE)], extra_cflags=["-O2"], build_directory=str(folder),
+        built_here = built_here or source == _SOURCE
+        path = Path(cpp_extension.load(name, [str(source)], extra_cflags=["-O2"], build_directory=str(folder),
                                        is_python_module=False, verbose=False))
         tmp = folder / f"{_READY}.{os.getpid()}"
         tmp.write_text(str(path))

@@ -8,6 +8,7 @@ compute, or None before anything was written (reads as zeros). Every alias share
 from __future__ import annotations
 
 import math
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import torch
 from jax._src import config as _jax_config
 
 import tpudist.ops as tops
+from tpudist.device import _fastpath
 from tpudist.device import _runtime as rt
 from tpudist.device import views
 
@@ -27,7 +29,10 @@ X64 = _jax_config.enable_x64
 
 
 class Buffer:
-    """What a tpu storage holds: ``value`` is a flat jax.Array, a fused ``Lazy`` or None (unwritten)."""
+    """What a tpu storage holds: ``value`` is a flat jax.Array, a fused ``Lazy`` or None (unwritten).
+
+    ``outputs`` (C++) makes Buffers and ``Lazy`` values without calling ``__init__``: keep both
+    ``__init__`` methods plain stores of their arguments."""
 
     __slots__ = ("value", "numel", "dtype", "__weakref__")
 
@@ -171,3 +176,27 @@ def flush() -> None:
     from tpudist.device import _fused
 
     _fused.flush()
+
+
+def _outputs_py(outputs, values, graph, index, written):
+    """An op's fresh tensors: one per (shape, dtype, numel) of ``outputs``, over a new storage holding
+    ``Buffer(numel, dtype, value)``; ``value`` is ``values[i]`` (Strict: the kernel's arrays) or, with
+    ``values`` None, ``Lazy(graph, index + i)`` (Fused), whose buffer is then added to ``written``
+    (weakly). ``outputs`` is this function in C++ (``csrc/fastpath.cpp``) where that built."""
+    fresh = []
+    for i, (shape, dtype, numel) in enumerate(outputs):
+        b = Buffer(numel, dtype, Lazy(graph, index + i) if values is None else values[i])
+        t = _create_empty(shape, dtype)
+        t.untyped_storage()._tpudist_buffer = b
+        fresh.append(t)
+        if values is None:
+            written.append(_weakref(b))
+    return fresh
+
+
+_weakref = weakref.ref
+_fast = _fastpath.load()  # the C++ hot path (tpudist/device/_fastpath.py), or None
+outputs = _outputs_py
+if _fast is not None:
+    _fast.init_outputs(Buffer, Lazy, _create_empty, _ATTR)
+    outputs = _fast.outputs
