@@ -23,23 +23,32 @@ from tpudist.testing import RankPool  # noqa: E402
 
 
 def pytest_configure(config):
-    """Build the tpu device's C++ hooks now (xdist's controller runs this before it starts workers), so no
-    worker or rank process spends a test's timeout compiling them. By file: importing tpudist.device would
-    install the device in this process."""
+    """Build the tpu device's C++ libraries now (xdist's controller runs this before it starts workers), so no
+    worker or rank process spends a test's timeout compiling them: the PrivateUse1 hooks and the per-op fast
+    path. By file: importing tpudist.device would install the device in this process."""
     import importlib.util
+    import warnings
 
     folder = importlib.util.find_spec("tpudist").submodule_search_locations[0]
-    spec = importlib.util.spec_from_file_location("_tpudist_hooks_build", os.path.join(folder, "device", "_hooks.py"))
-    hooks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hooks)
+
+    def by_file(name):
+        spec = importlib.util.spec_from_file_location(f"_tpudist_build_{name}", os.path.join(folder, "device", name))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    hooks, fastpath = by_file("_hooks.py"), by_file("_fastpath.py")
     if hooks.enabled():
         try:
             hooks.build()
         except Exception as e:  # noqa: BLE001 - any failure: tests run on the Python hooks, and say so
-            import warnings
-
             warnings.warn(f"the tpu device's C++ hooks did not build ({type(e).__name__}: {e}); tests of DDP "
                           "find_unused_parameters/static_graph and pin_memory=True will fail", stacklevel=1)
+    if fastpath.enabled():
+        try:
+            hooks.build(fastpath._SOURCE, fastpath._NAME, fastpath.root())  # noqa: SLF001
+        except Exception as e:  # noqa: BLE001 - the device then warns in every process and uses Python
+            warnings.warn(f"the tpu device's C++ fast path did not build ({type(e).__name__}: {e})", stacklevel=1)
 
 
 @pytest.fixture(scope="module")
