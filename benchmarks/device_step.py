@@ -196,7 +196,7 @@ def per_op_parts() -> dict:
     import jax
 
     import tpudist.device  # noqa: F401
-    from tpudist.device import _core, _fused
+    from tpudist.device import _core, _fused, _kernels
     from tpudist.device._storage import X64
 
     lib = torch.library.Library("tpudist_bench", "FRAGMENT")
@@ -220,6 +220,7 @@ def per_op_parts() -> dict:
 
     parts = (("fused_whole", lambda: x + y), ("strict_whole", lambda: x + y),  # the mode is set around each loop
              ("torch_dispatch_to_python", lambda: noop(x, y)),
+             ("kernel_called_directly", lambda: _kernels.execute_kernel(op, x, y)),  # the whole op minus torch's part
              ("signature", lambda: _core._signature(op, (x, y), {}, False)),
              ("lookup", lambda: _core._KERNELS.get(key)),
              ("fused_record", lambda: _fused.record(kernel, leaves, buffers, scalars)),
@@ -228,7 +229,8 @@ def per_op_parts() -> dict:
     results: dict = {}
     for _ in range(5):
         for label, fn in parts:
-            with torch.tpu.eager_mode("fused" if label in ("fused_record", "fused_whole") else "strict"):
+            with torch.tpu.eager_mode("fused" if label in ("fused_record", "fused_whole", "kernel_called_directly")
+                                      else "strict"):
                 fn()
                 c0 = time.thread_time()
                 for _ in range(n):
@@ -248,6 +250,10 @@ def print_per_op_parts(costs: dict) -> None:
           f"dispatch to a Python kernel {parts['torch_dispatch_to_python']:.1f} + signature {parts['signature']:.1f} "
           f"+ cache lookup {parts['lookup']:.1f} + recording (incl. the output tensor) {parts['fused_record']:.1f} "
           f"+ glue {glue:.1f}")
+    print(f"  torch's own part of a fused aten.add (the whole op minus the device's kernel called directly from "
+          f"Python): {parts['fused_whole'] - parts['kernel_called_directly']:.1f} us; a custom op's Python kernel "
+          f"that returns its input costs {parts['torch_dispatch_to_python']:.1f} (aten.add adds its autograd "
+          "kernel and a fresh result tensor handed to C++ and back)")
     glue = parts["strict_whole"] - parts["torch_dispatch_to_python"] - parts["signature"] - parts["lookup"] \
         - parts["strict_jitted_call"]
     print(f"  where a strict 64x64 add goes: {parts['strict_whole']:.1f} = torch's dispatch to a Python kernel "
