@@ -10,17 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from tpudist.testing import RankPool
-
 DTYPES = ["float32", "float64", "bfloat16", "float16", "int32", "int64"]
 RANGES = [(0.0, 1.0), (0, 10), (-1.5, 2.5), (2.0, -3.0), (-7.3, 9.9), (3, 3), (1e-3, 123.456)]
 LENGTHS = [0, 1, 2, 7, 100, 1001]
 
-
-@pytest.fixture(scope="module")
-def dev():
-    with RankPool(1, backend=None, timeout=600, env={"TPUDIST_EAGER_MODE": "strict"}) as pool:
-        yield lambda fn, *a: pool.run(fn, *a)[0]
+DEV_TIMEOUT = 600  # seconds a call in the worker may take (the ``dev`` fixture in conftest.py)
 
 
 def linspace_mismatches(mode: str) -> list:

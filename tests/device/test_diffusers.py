@@ -15,18 +15,12 @@ import importlib.util
 
 import pytest
 
-from tpudist.testing import RankPool
-
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("diffusers") is None,
                                 reason="diffusers is not installed (pip install -e '.[test]' brings it)")
 
 STEPS = 2
 
-
-@pytest.fixture(scope="module")
-def dev():
-    with RankPool(1, backend=None, timeout=900, env={"TPUDIST_EAGER_MODE": "strict"}) as pool:
-        yield lambda fn, *a: pool.run(fn, *a)[0]
+DEV_TIMEOUT = 900  # seconds a call in the worker may take (the ``dev`` fixture in conftest.py)
 
 
 def latent_diffusion(mode: str) -> dict:

@@ -16,19 +16,13 @@ import importlib.util
 
 import pytest
 
-from tpudist.testing import RankPool
-
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None or
                                 importlib.util.find_spec("transformers") is None,
                                 reason="peft or transformers is not installed (pip install -e '.[test]' brings both)")
 
 STEPS = 3
 
-
-@pytest.fixture(scope="module")
-def dev():
-    with RankPool(1, backend=None, timeout=900, env={"TPUDIST_EAGER_MODE": "strict"}) as pool:
-        yield lambda fn, *a: pool.run(fn, *a)[0]
+DEV_TIMEOUT = 900  # seconds a call in the worker may take (the ``dev`` fixture in conftest.py)
 
 
 def lora_fine_tuning(mode: str) -> dict:
