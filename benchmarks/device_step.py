@@ -2,6 +2,7 @@
 
     python benchmarks/device_step.py                       # defaults: dim 64, 2 layers, B2 T64
     python benchmarks/device_step.py --dim 128 --seq 128 --batch 4 --steps 20
+    python benchmarks/device_step.py --model hf-llama         # Hugging Face's LlamaForCausalLM, same sizes
 
 One process holds five identical models (CPU eager, Debug, Strict, Fused, and "compiled": forward
 and backward through ``torch.compile(backend="tpu")``, AdamW in Fused mode); each round runs one
@@ -46,6 +47,9 @@ def _args(argv=None):
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--model", choices=("recipe", "hf-llama"), default="recipe",
+                   help="the recipe's Llama-style Transformer, or Hugging Face's LlamaForCausalLM of the same "
+                        "sizes (needs transformers)")
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--skip-compile", action="store_true", help="skip the cold/warm compile measurement")
     return p.parse_args(argv)
@@ -55,6 +59,12 @@ def _model(a):
     from tpudist.training.model import ModelArgs, Transformer
 
     torch.manual_seed(0)
+    if a.model == "hf-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(vocab_size=a.vocab, hidden_size=a.dim, intermediate_size=4 * a.dim,
+                                            num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=a.seq, use_cache=False))
     return Transformer(ModelArgs(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=4, n_kv_heads=2,
                                  max_seq_len=a.seq))
 
@@ -64,7 +74,9 @@ TARGETS = {"fused_cpu_us": 6.0, "strict_overhead_cpu_us": 6.0, "fused_over_stric
 
 
 def _loss(model, x, y):
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    out = model(x)
+    logits = getattr(out, "logits", out)  # a Hugging Face model returns an output object
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
 _compiled_loss = None
@@ -122,7 +134,7 @@ def _compile_cold_warm(a) -> tuple[dict, dict]:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TPUDIST_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, __file__, "--compile-only", "--dim", str(a.dim), "--layers", str(a.layers),
-               "--seq", str(a.seq), "--batch", str(a.batch), "--vocab", str(a.vocab)]
+               "--seq", str(a.seq), "--batch", str(a.batch), "--vocab", str(a.vocab), "--model", a.model]
         out = []
         for _ in range(2):
             run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -401,7 +413,7 @@ def main(argv=None) -> None:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     syncs = fused_counts["syncs"]
     key_ms = fused_counts["graph_key_s"] / max(syncs, 1) * 1e3
-    print(f"model dim={a.dim} layers={a.layers} batch={a.batch} seq={a.seq}; {a.steps} interleaved rounds")
+    print(f"model {a.model} dim={a.dim} layers={a.layers} batch={a.batch} seq={a.seq}; {a.steps} interleaved rounds")
     print("median step ms: " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
     print("last losses: " + ", ".join(f"{k} {v:.5f}" for k, v in losses.items()))
     print("ratios vs cpu eager: " + ", ".join(f"{k} {med[k] / med['cpu']:.2f}x"
