@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,6 +110,13 @@ def upcast(x):
 def is_low_precision(dtype) -> bool:
     """bf16 or f16: the dtypes torch's CPU kernels compute in float32."""
     return np.dtype(dtype) in LOW_PRECISION
+
+
+def rounding_to(dtype):
+    """Rounds float32 values to ``dtype``'s precision and keeps them float32 (XLA cannot elide it): one
+    operation of torch's CPU kernels on c10::BFloat16 / Half, computed in float and rounded."""
+    info = jnp.finfo(dtype)
+    return functools.partial(jax.lax.reduce_precision, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 def dim_of(dim, ndim: int) -> int:

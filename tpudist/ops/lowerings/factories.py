@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tpudist.ops.dtypes import to_jax_dtype
-from tpudist.ops.lowerings._util import is_array
+from tpudist.ops.lowerings._util import is_array, is_low_precision, rounding_to
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten
@@ -145,15 +145,9 @@ def linspace(start, end, steps, *, dtype=None, **_placement):
         s, e = (jnp.trunc(jnp.real(jnp.asarray(x, jnp.float64))) for x in (start, end))
         step = (e - s) / jax.lax.optimization_barrier(jnp.asarray(steps - 1, jnp.float64))
         return jnp.trunc(jnp.where(upper, e - step * (steps - 1 - i), s + step * i)).astype(dtype)
-    low = jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 16
+    low = is_low_precision(dtype)
     compute = jnp.float32 if low else dtype
-
-    def r(x):  # one C++ operation on c10::Half / BFloat16: computed in float, rounded to the dtype
-        if not low:
-            return x
-        info = jnp.finfo(dtype)
-        return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-
+    r = rounding_to(dtype) if low else (lambda x: x)  # each operation on c10::Half / BFloat16 rounds
     s, e = (r(jnp.asarray(x).astype(compute)) for x in (start, end))
     # a barrier: XLA turns a division by a constant into a multiplication by its rounded reciprocal
     step = r(r(e - s) / jax.lax.optimization_barrier(r(jnp.asarray(steps - 1, compute))))

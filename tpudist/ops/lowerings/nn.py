@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from tpudist.ops.lowerings._util import dim_of, is_low_precision, to_float, upcast
+from tpudist.ops.lowerings._util import dim_of, is_low_precision, rounding_to, to_float, upcast
 from tpudist.ops.registry import lowers, shapes_from_lowering
 from tpudist.ops.rng import next_key
 
@@ -513,12 +513,6 @@ def _flash_scores(q, k, v, attn_mask, is_causal, scale):
     return scores, q, k, v, scale
 
 
-def _rounding_to(dtype):
-    """Rounds float32 values to ``dtype``'s precision and keeps them float32 (XLA cannot elide it)."""
-    info = jnp.finfo(dtype)
-    return functools.partial(jax.lax.reduce_precision, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-
-
 def _flash_low_precision(q, k, v, attn_mask, is_causal, scale):
     """bf16 flash attention rounded where torch's CPU kernel rounds: it keeps scores, row maxima and
     sums in float32 but rounds the unnormalised probabilities ``exp(s - running max)`` to the input dtype
@@ -526,7 +520,7 @@ def _flash_low_precision(q, k, v, attn_mask, is_causal, scale):
     reciprocal of the sum at the end. Rounding once instead left 21-32% of bf16 outputs 1 ulp off. With larger
     scores 6-10% still differ: the kernel's exp is an approximation (exp_u20) whose error moves some roundings."""
     scores, _, _, v, _ = _flash_scores(q, k, v, attn_mask, is_causal, scale)
-    rounded = _rounding_to(q.dtype)
+    rounded = rounding_to(q.dtype)
     row_max = jnp.full(scores.shape[:-1], -jnp.inf, jnp.float32)
     row_sum = jnp.zeros(scores.shape[:-1], jnp.float32)
     acc = jnp.zeros((*scores.shape[:-1], v.shape[-1]), jnp.float32)
@@ -552,7 +546,7 @@ def _flash_backward(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, sca
     gradients accumulated in bf16 (dQ over key blocks; dK and dV over the query heads of a group, then over
     query blocks)."""
     scores, q32, k32, v32, scale = _flash_scores(q, k, v, attn_mask, is_causal, scale)
-    rounded = _rounding_to(q.dtype)
+    rounded = rounding_to(q.dtype)
     g = upcast(grad_out)
     p = jnp.where(scores == -jnp.inf, 0, jnp.exp(scores - upcast(logsumexp)[..., None]))
     grad_scores = rounded(p * (jnp.einsum("...qd,...kd->...qk", g, v32) - jnp.sum(g * upcast(out), -1)[..., None]))
