@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
-import shutil
 import warnings
 from pathlib import Path
 
@@ -53,9 +52,11 @@ def load():
     if not enabled():
         reason = "TPUDIST_CPP_FASTPATH=0"
         return None
-    missing = [tool for tool in ((os.environ.get("CXX") or "c++").split()[0], "ninja") if shutil.which(tool) is None]
-    if missing:
-        reason = f"{missing[0]!r} is not on PATH"
+    from tpudist.device import _hooks
+
+    missing = _hooks.missing_tool()
+    if missing is not None:
+        reason = missing
         return None
     try:
         path = build()
@@ -64,8 +65,7 @@ def load():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - any failed build or load: the Python signature, and say so
-        lines = [line for line in str(e).strip().splitlines() if line.strip()]
-        reason = f"building {_SOURCE.name} failed: {type(e).__name__}: {' / '.join(lines[-3:])[:400]}"
+        reason = _hooks.build_failure(_SOURCE, e)
         warnings.warn(f"tpudist.device uses its Python per-op signature ({reason}); ops cost more host time. "
                       "Set TPUDIST_CPP_FASTPATH=0 to silence this.", RuntimeWarning, stacklevel=3)
         return None

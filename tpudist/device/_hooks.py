@@ -69,6 +69,20 @@ def _built(folder: Path) -> Path | None:
     return path if path.is_file() else None
 
 
+def missing_tool() -> str | None:
+    """Why ``build`` cannot run here ("'ninja' is not on PATH"), or None: the tools cpp_extension.load runs."""
+    for tool in ((os.environ.get("CXX") or "c++").split()[0], "ninja"):
+        if shutil.which(tool) is None:
+            return f"{tool!r} is not on PATH"
+    return None
+
+
+def build_failure(source: Path, error: Exception) -> str:
+    """One line saying why building ``source`` failed: the error's type and the last lines of its message."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return f"building {source.name} failed: {type(error).__name__}: {' / '.join(lines[-3:])[:400]}"
+
+
 def build(source: Path = _SOURCE, name: str = _NAME, root: str | None = None) -> Path:
     """The built library's path: built now under the folder's lock unless a process built it before.
 
@@ -78,9 +92,9 @@ def build(source: Path = _SOURCE, name: str = _NAME, root: str | None = None) ->
     path = _built(folder)
     if path is not None:
         return path
-    for tool in ((os.environ.get("CXX") or "c++").split()[0], "ninja"):  # what cpp_extension.load runs
-        if shutil.which(tool) is None:
-            raise RuntimeError(f"{tool!r} is not on PATH")
+    missing = missing_tool()
+    if missing is not None:
+        raise RuntimeError(missing)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f"{folder.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a killed builder dies
@@ -120,8 +134,7 @@ def install() -> bool:
     try:
         path = build()
     except Exception as e:  # noqa: BLE001 - any failed build (no compiler, compile error) means the Python hooks
-        lines = [line for line in str(e).strip().splitlines() if line.strip()]
-        return _fallback(f"building {_SOURCE.name} failed: {type(e).__name__}: {' / '.join(lines[-3:])[:400]}")
+        return _fallback(build_failure(_SOURCE, e))
     _lib = ctypes.CDLL(str(path))
     _lib.tpudist_pinned_bytes.restype = ctypes.c_int64
     status = _lib.tpudist_register_hooks()
