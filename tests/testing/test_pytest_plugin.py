@@ -118,3 +118,23 @@ def test_x():
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     assert error in result.stdout.str()
+
+
+def test_a_pool_that_cannot_start_in_process_skips_the_test_with_its_reason(pytester, monkeypatch):
+    monkeypatch.setenv("TPUDIST_POOL_START", "inprocess")
+    pytester.makepyfile(test_in_process='''
+import pytest
+
+@pytest.mark.tpudist(world_size=2)
+def test_marked():
+    pass
+
+def test_pool_fixture(tpudist_pool):
+    pass
+
+def test_plain():
+    pass
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(passed=1, skipped=2)
+    result.stdout.fnmatch_lines(["*needs rank processes*TPUDIST_POOL_START=inprocess*"])

@@ -126,3 +126,40 @@ def test_ranks_see_the_topology_their_pool_asked_for():
         assert pool.run(topology_and_devices) == [("v5p:2x2x1", 4, 10)] * 4
     with RankPool(2, topology="v5p:2x1x1") as pool:
         assert pool.run(topology_and_devices) == [("v5p:2x1x1", 2, 3)] * 2
+
+
+# -- in-process pools (TPUDIST_POOL_START=inprocess: a TPU VM's chip takes one process) -----------------
+def environment_and_eager_mode() -> dict:
+    import torch
+
+    tpu = getattr(torch, "tpu", None)
+    return {"pid": os.getpid(), "leak": os.environ.get("TPUDIST_PROBE_LEAK"),
+            "mode": tpu.get_eager_mode() if tpu is not None and hasattr(tpu, "get_eager_mode") else None}
+
+
+def raise_value_error() -> None:
+    raise ValueError("raised in the rank function")
+
+
+def test_an_in_process_pool_runs_here_under_its_environment(monkeypatch):
+    import tpudist.device  # noqa: F401 - the eager mode the pool's environment names is set for each call
+    import torch
+
+    monkeypatch.setenv("TPUDIST_POOL_START", "inprocess")
+    before = torch.tpu.get_eager_mode()
+    other = "fused" if before != "fused" else "strict"
+    with RankPool(1, backend=None, env={"TPUDIST_PROBE_LEAK": "yes", "TPUDIST_EAGER_MODE": other}) as pool:
+        assert pool.run(environment_and_eager_mode) == [{"pid": os.getpid(), "leak": "yes", "mode": other}]
+        assert pool.started_by == "inprocess" and pool.alive
+        assert "TPUDIST_PROBE_LEAK" not in os.environ and torch.tpu.get_eager_mode() == before
+        with pytest.raises(RankError, match="raised in the rank function") as err:
+            pool.run(raise_value_error)
+        assert list(err.value.failures) == [0]
+    assert os.getpid() == environment_and_eager_mode()["pid"]  # closing the pool ended nothing of ours
+
+
+@pytest.mark.parametrize("options", [{"world_size": 2, "backend": None}, {"world_size": 1, "backend": "gloo"}])
+def test_an_in_process_pool_refuses_what_needs_rank_processes(options, monkeypatch):
+    monkeypatch.setenv("TPUDIST_POOL_START", "inprocess")
+    with pytest.raises(_pool.PoolUnsupported, match=r"needs rank processes.*world_size=1 with backend=None"):
+        RankPool(**options).start()

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import warnings
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any, Callable
@@ -39,6 +40,10 @@ class RankError(RuntimeError):
         self.results = results or {}  # what the ranks that did not fail returned
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
         super().__init__(f"ranks {sorted(failures)} raised:\n{text}")
+
+
+class PoolUnsupported(RuntimeError):
+    """This pool cannot start where ranks run in the calling process (``TPUDIST_POOL_START=inprocess``)."""
 
 
 class RankTimeout(RuntimeError):
@@ -103,6 +108,9 @@ class RankPool:
         if self.alive:
             return
         self.close()
+        if _start_mode() == "inprocess":
+            self._start_here()
+            return
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         master_port = free_port()
@@ -133,6 +141,37 @@ class RankPool:
         finally:
             listener.close()
 
+    def _start_here(self) -> None:
+        """Where one process holds the accelerator (a TPU VM's chip: a second process cannot open it, and its
+        sandbox may allow no TCP socket), a pool of one rank without a process group runs its functions in
+        the calling process; every other pool is refused."""
+        if self.world_size != 1 or self.backend is not None:
+            raise PoolUnsupported(
+                f"RankPool(world_size={self.world_size}, backend={self.backend!r}) needs rank processes, but "
+                "TPUDIST_POOL_START=inprocess runs functions in the calling process: only world_size=1 with "
+                "backend=None can run there; run this test where processes can start (unset TPUDIST_POOL_START)")
+        self._procs = [_HereRank()]
+        self.started_by = "inprocess"
+        starts["inprocess"] += 1
+
+    def _run_here(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
+        """``fn`` in this process under the pool's environment (variables set for the call, the device's
+        eager mode from ``TPUDIST_EAGER_MODE``); the result goes through pickle as a rank's would."""
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        mode = _set_eager_mode(self.env.get("TPUDIST_EAGER_MODE"))
+        try:
+            return [pickle.loads(pickle.dumps(fn(*args, **kwargs)))]
+        except BaseException:  # noqa: BLE001 - reported as a rank's failure, as a rank process would
+            raise RankError({0: traceback.format_exc()}) from None
+        finally:
+            _set_eager_mode(mode)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
     def _start_failure(self, conns: dict[int, Connection]) -> str:
         codes = {r: p.poll() for r, p in enumerate(self._procs)}
         return (f"rank processes did not start within {_START_TIMEOUT_S}s: connected={sorted(conns)}, "
@@ -155,6 +194,9 @@ class RankPool:
 
     def close(self, graceful: bool = True) -> None:
         """Asks ranks to exit (if ``graceful``), then kills what is left, by PID, with its children."""
+        if self.started_by == "inprocess":  # nothing to end: the "rank" is this process
+            self._procs, self._conns = [], []
+            return
         for conn in self._conns if graceful else ():
             try:
                 conn.send_bytes(pickle.dumps(("exit",)))
@@ -184,6 +226,8 @@ class RankPool:
             raise ValueError(f"fn={fn.__qualname__} is defined in __main__, which rank processes cannot "
                              "import; define it in an importable module")
         self.start()
+        if self.started_by == "inprocess":
+            return self._run_here(fn, args, kwargs)
         return self._call_all(("run", fn, args, kwargs), self.timeout if timeout is None else timeout)
 
     def _call_all(self, message: tuple, timeout: float) -> list[Any]:
@@ -215,6 +259,32 @@ class RankPool:
             self.close(graceful=False)
             raise RankError(failures, {r: v for r, (status, v) in results.items() if status == "ok"})
         return [results[r][1] for r in range(self.world_size)]
+
+
+class _HereRank:
+    """The "process" of an in-process pool: always alive; ``close`` never kills it (it is this process)."""
+
+    pid = os.getpid()
+
+    def poll(self) -> None:
+        return None
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+def _start_mode() -> str:
+    return os.environ.get("TPUDIST_POOL_START", "fork")
+
+
+def _set_eager_mode(mode: str | None) -> str | None:
+    """Sets the tpu device's eager mode (when the device is installed and ``mode`` given); returns the old one."""
+    tpu = getattr(__import__("torch"), "tpu", None) if "torch" in sys.modules else None
+    if mode is None or tpu is None or not hasattr(tpu, "set_eager_mode"):
+        return None
+    previous = tpu.get_eager_mode()
+    tpu.set_eager_mode(mode)
+    return previous
 
 
 def _exit_code(proc: subprocess.Popen | _ForkedRank) -> int | None:
@@ -272,7 +342,7 @@ def _preload_server(env: dict[str, str]) -> _PreloadServer | None:
     """The server whose imports saw what ``env`` would have shown them (started if need be), or
     None: start ranks fresh (``TPUDIST_POOL_START=fresh``, or that server failed to start)."""
     global _read_at_import
-    if os.environ.get("TPUDIST_POOL_START", "fork") == "fresh":
+    if _start_mode() == "fresh":
         return None
     with _servers_lock:
         while True:

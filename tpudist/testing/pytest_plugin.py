@@ -102,6 +102,17 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A test whose rank pool cannot start in this process (``TPUDIST_POOL_START=inprocess``, as on a TPU VM
+    whose chip one process holds) is reported skipped, with the pool's reason, not failed."""
+    outcome = yield
+    if call.excinfo is not None and call.excinfo.typename == "PoolUnsupported":
+        report = outcome.get_result()
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {call.excinfo.value}")
+
+
 def _per_rank(headline: str, failures: dict[int, str]) -> str:
     return headline + "".join(f"\n\n----- rank {r} traceback -----\n{tb.rstrip()}"
                               for r, tb in sorted(failures.items()))
