@@ -18,5 +18,7 @@ export TPUDIST_POOL_START=inprocess
 python3 -c "import jax; d = jax.devices()[0]; assert d.platform == 'tpu', d; print('chip:', d.device_kind)" || exit 1
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(tests/device tests/kernels tests/compile tests/ops)
+limit=(--session-timeout "${CHIP_SUITE_SECONDS:-480}")
+python3 -m pytest --help 2>/dev/null | grep -q -- --session-timeout || limit=()  # pytest-timeout < 2.3
 python3 -m pytest -p no:xdist -p no:cacheprovider -o addopts="" -q -rfE --durations=20 --timeout 300 \
-    --session-timeout "${CHIP_SUITE_SECONDS:-480}" "${args[@]}" 2>&1 | tee "${OUT:-/tmp}/chip_suite.log"
+    "${limit[@]}" "${args[@]}" 2>&1 | tee "${OUT:-/tmp}/chip_suite.log"
