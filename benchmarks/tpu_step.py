@@ -95,7 +95,8 @@ class Log:
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, run in this order; of {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated, run in this order; of {', '.join(MODES)}")
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=16)
@@ -436,7 +437,8 @@ def _record(a, argv, started: str, t_start: float, log: Log, results: dict, done
     except Exception as e:  # noqa: BLE001 - the record is still written, saying why
         machine.update(platform=None, device_kind=f"unknown ({type(e).__name__}: {e})")
     return {"name": "tpu_step", "command": "python benchmarks/tpu_step.py " + " ".join(argv),
-            "started_utc": started, "seconds": round(time.perf_counter() - t_start, 1), "exit_code": 0 if done else None,
+            "started_utc": started, "seconds": round(time.perf_counter() - t_start, 1),
+            "exit_code": 0 if done else None,
             "complete": done, "load_average_after": load, "machine": machine, "parsed": results,
             "output": "\n".join(log.lines)}
 

@@ -116,7 +116,9 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
     categories = dict.fromkeys(CATEGORIES, 0.0)
     flops_by_category = dict.fromkeys(CATEGORIES, 0.0)
     for name, dur, stats in ops:
-        short, opcode, shapes = parse_op(name)
+        # the event name is the HLO text on a v5e; where it is a bare name, a long_name stat may hold the text
+        long_name = name if " = " in name else str(stats.get("long_name", name))
+        short, opcode, shapes = parse_op(long_name if " = " in long_name else name)
         category = categorize(short, opcode, shapes, seq, str(stats.get("hlo_category", "")))
         row = per_op[short]
         row["count"] += 1
@@ -153,20 +155,23 @@ def format_summary(summary: dict, wall_s: float, model_flops: float) -> list[str
         lines.append("    no device plane (CPU): device busy time not measured; ops below are XLA:CPU thunks")
     else:
         busy = dev["busy_s_per_step"]
-        lines.append(f"    device busy {busy * 1e3:.1f} ms/step of {wall_s * 1e3:.1f} ms wall ({busy / wall_s * 100:.0f}%); "
-                     f"host/dispatch/idle gap {(wall_s - busy) * 1e3:.1f} ms; {dev['programs_per_step']:.1f} programs/step")
-        lines.append("    programs: " + "; ".join(f"{p['name']} x{p['runs_per_step']:.1f} {p['s_per_step'] * 1e3:.1f} ms"
-                                            for p in dev["programs"][:5]))
+        lines.append(f"    device busy {busy * 1e3:.1f} ms/step of {wall_s * 1e3:.1f} ms wall "
+                     f"({busy / wall_s * 100:.0f}%); host/dispatch/idle gap {(wall_s - busy) * 1e3:.1f} ms; "
+                     f"{dev['programs_per_step']:.1f} programs/step")
+        lines.append("    programs: " + "; ".join(
+            f"{p['name']} x{p['runs_per_step']:.1f} {p['s_per_step'] * 1e3:.1f} ms" for p in dev["programs"][:5]))
     cats = summary["categories"]
     lines.append(f"    op time {summary['ops_s_per_step'] * 1e3:.1f} ms/step: " + ", ".join(
         f"{k} {v['s_per_step'] * 1e3:.1f} ms ({v['share'] * 100:.0f}%)" for k, v in cats.items() if v["s_per_step"]))
     matmul_s = cats["matmul"]["s_per_step"]
     if "matmul_tflops_from_trace" in summary:
-        lines.append(f"    matmul ops run at {summary['matmul_tflops_from_trace']:.1f} TFLOP/s (the trace's flops stats)")
+        lines.append(f"    matmul ops run at {summary['matmul_tflops_from_trace']:.1f} TFLOP/s (the trace's flops "
+                     "stats)")
     elif matmul_s and dev is not None:
-        lines.append(f"    model FLOPs / matmul-op time = {model_flops / matmul_s / 1e12:.1f} TFLOP/s (an upper bound on "
-                     "the matmuls' rate: attention's FLOPs partly run in 'attention scores' ops)")
+        lines.append(f"    model FLOPs / matmul-op time = {model_flops / matmul_s / 1e12:.1f} TFLOP/s (an upper bound "
+                     "on the matmuls' rate: attention's FLOPs partly run in 'attention scores' ops)")
     for op in summary["top_ops"]:
-        lines.append(f"      {op['s_per_step'] * 1e3:8.2f} ms {op['share'] * 100:5.1f}% x{op['runs_per_step']:<5.1f} "
-                     f"{op['category']:<16} {op['opcode'] or '-':<12} {op['shape']:<22} {op['name'][:60]}")
+        lines.append(f"      {op['s_per_step'] * 1e3:8.2f} ms {op['share'] * 100:5.1f}% "
+                     f"x{op['runs_per_step']:<5.1f} {op['category']:<16} {op['opcode'] or '-':<12} "
+                     f"{op['shape']:<22} {op['name'][:60]}")
     return lines
