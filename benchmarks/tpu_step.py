@@ -1,7 +1,7 @@
 """Training step of the recipe's model on the chip: tpudist's modes against the same model in plain JAX.
 
     python benchmarks/tpu_step.py --json benchmarks/results/tpu_step.json     # the chip, ~9 min
-    python benchmarks/tpu_step.py --modes strict --json /tmp/strict.json     # Strict alone (~3 min)
+    python benchmarks/tpu_step.py --modes strict --add-to R.json --json R.json   # Strict alone (~4 min), into R
     python benchmarks/tpu_step.py --tiny --modes twin,fused                   # CPU smoke run, seconds
 
 Model: the recipe's Llama-style ``Transformer`` (``tpudist/training/model.py``), by default its
@@ -117,6 +117,9 @@ def _args(argv=None):
     p.add_argument("--cache", choices=("fresh", "keep"), default="fresh",
                    help="fresh: an empty TPUDIST_CACHE_DIR for this run (cold compiles); keep: the usual caches")
     p.add_argument("--json", metavar="OUT", help="write the results here (rewritten after every mode)")
+    p.add_argument("--add-to", metavar="EARLIER.json",
+                   help="keep the modes of this earlier --json that this run does not run (e.g. --modes strict "
+                        "after the main run; --json may name the same file)")
     a = p.parse_args(argv)
     if a.tiny:  # sizes given explicitly win over --tiny's
         tiny = {"dim": 64, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 128, "seq": 64, "batch": 2, "steps": 3,
@@ -221,7 +224,8 @@ class CompileCounter:
             stats = torch.tpu.cache_stats()
             out.update(device_programs=stats["programs"], device_kernels=stats["kernels"],
                        device_program_compile_s=stats["compile_s"],
-                       device_programs_from_disk=stats.get("programs_from_disk", 0))
+                       device_programs_from_disk=stats.get("programs_from_disk", 0),
+                       device_syncs=stats["syncs"], device_fused_ops=stats.get("fused_ops", 0))
         if "tpudist.compile.program" in sys.modules:
             from tpudist.compile.program import STATS
 
@@ -243,6 +247,8 @@ def _compiles_text(c: dict) -> str:
         parts.append(f"{c['device_programs']} Fused programs ({c['device_program_compile_s']:.1f} s"
                      + (f", {c['device_programs_from_disk']} from disk" if c.get("device_programs_from_disk") else "")
                      + ")")
+    if c.get("device_syncs"):  # how the step's ops split into Fused programs: a changed split recompiles
+        parts.append(f"{c['device_syncs']} Fused syncs running {c['device_fused_ops']} ops")
     if c.get("device_kernels"):  # made in every mode; XLA compiles them alone only in Strict (and Debug)
         parts.append(f"{c['device_kernels']} op kernels")
     if c.get("compile_graphs"):
@@ -506,6 +512,8 @@ def _run(a, argv, started, t_start, log) -> None:
                                 "profile_steps": a.profile_steps, "cache": a.cache},
                      "flops_per_step": flops, "flops_formula": "6*N_matmul*tokens + 6*layers*seq^2*dim*batch",
                      "peak_flops": PEAK_FLOPS, "modes": {}}
+    if a.add_to:
+        _add_earlier(a, results, log)
     for mode in a.modes:
         elapsed = time.perf_counter() - t_start
         expected = EXPECTED_FIRST_STEPS_S[mode]
@@ -553,12 +561,32 @@ def _run(a, argv, started, t_start, log) -> None:
         log(f"wrote {a.json}")
 
 
+_SHAPE_KEYS = ("dim", "layers", "heads", "kv_heads", "vocab", "seq", "batch", "dtype")
+
+
+def _add_earlier(a, results: dict, log: Log) -> None:
+    """Keeps the modes of an earlier run's JSON that this run does not run (same model and batch only),
+    so a mode run alone (Strict) joins the main run's table, ratios and targets."""
+    with open(a.add_to, encoding="utf-8") as f:
+        earlier = json.load(f)["parsed"]
+    mismatch = {k: (earlier["config"].get(k), results["config"][k]) for k in _SHAPE_KEYS
+                if earlier["config"].get(k) != results["config"][k]}
+    if mismatch:
+        raise ValueError(f"--add-to {a.add_to} measured another model or batch: (earlier, now) {mismatch}; "
+                         "pass the same sizes")
+    kept = [k for k in earlier["modes"] if k not in a.modes]
+    for k in kept:
+        results["modes"][k] = {**earlier["modes"][k], "from": a.add_to}
+    results["added_from"] = {"path": a.add_to, "modes": kept}
+    log(f"kept from {a.add_to}: {', '.join(kept) or 'nothing'}")
+
+
 def _summary(results: dict, log: Log) -> None:
     modes = results["modes"]
     ok = {k: v for k, v in modes.items() if v.get("status") == "ok"}
     log("\nsummary")
-    log(f"  {'mode':<9} {'step1 s':>8} {'step2 s':>8} {'median ms':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
-        f"{'busy ms':>8} {'progs/step':>10} {'loss1':>9}")
+    log(f"  {'mode':<9} {'step1 s':>8} {'step2 s':>8} {'XLA compiles (s) step1/step2':>29} {'median ms':>10} "
+        f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'busy ms':>8} {'progs/step':>10} {'loss1':>9}")
     for name, m in modes.items():
         if m.get("status") != "ok":
             log(f"  {name:<9} {m.get('status')}: {m.get('why') or m.get('error', '')[:150]}")
@@ -566,8 +594,12 @@ def _summary(results: dict, log: Log) -> None:
         dev = (m.get("profile") or {}).get("device") or {}
         busy = f"{dev['busy_s_per_step'] * 1e3:8.1f}" if dev else f"{'-':>8}"
         progs = f"{dev['programs_per_step']:10.1f}" if dev else f"{'-':>10}"
-        log(f"  {name:<9} {m['step1']['s']:8.1f} {m['step2']['s']:8.1f} {m['median_step_s'] * 1e3:10.1f} "
-            f"{m['tokens_per_s']:10,.0f} {m['model_tflops']:8.1f} {m['mfu'] * 100:5.1f}% {busy} {progs} "
+        c1, c2 = m["step1"]["compiles"], m["step2"]["compiles"]
+        compiles = (f"{c1['xla_compiles']} ({c1['xla_compile_s']:.1f}) / "
+                    f"{c2['xla_compiles']} ({c2['xla_compile_s']:.1f})")
+        log(f"  {name:<9} {m['step1']['s']:8.1f} {m['step2']['s']:8.1f} {compiles:>29} "
+            f"{m['median_step_s'] * 1e3:10.1f} {m['tokens_per_s']:10,.0f} {m['model_tflops']:8.1f} "
+            f"{m['mfu'] * 100:5.1f}% {busy} {progs} "
             f"{m['step1']['loss']:9.5f}")
     if "twin" in ok and len(ok) > 1:
         ref = ok["twin"]["step1"]["loss"]

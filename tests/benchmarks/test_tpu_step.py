@@ -146,3 +146,19 @@ def test_tiny_cpu_run_writes_the_report_fields(tmp_path):
     page = "\n".join(report.render_tpu(record))
     assert page.startswith("## On the chip: cpu") and "| JAX twin |" in page and "| Fused |" in page
     assert "compiled tokens/s / twin tokens/s | - | >= 0.9 | n/a" in page  # no compiled run here
+
+
+def test_add_to_keeps_the_earlier_runs_other_modes(tmp_path):
+    from types import SimpleNamespace
+
+    config = {"dim": 64, "layers": 1, "heads": 4, "kv_heads": 2, "vocab": 128, "seq": 32, "batch": 2,
+              "dtype": "bfloat16"}
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"parsed": {"config": config, "modes": {
+        "twin": {"status": "ok", "median_step_s": 1.0}, "strict": {"status": "skipped", "why": "deadline"}}}}))
+    results = {"config": dict(config), "modes": {}}
+    tpu_step._add_earlier(SimpleNamespace(add_to=str(earlier), modes=["strict"]), results, lambda text: None)  # noqa: SLF001
+    assert list(results["modes"]) == ["twin"] and results["modes"]["twin"]["from"] == str(earlier)
+    with pytest.raises(ValueError, match=r"another model or batch: \(earlier, now\) \{'seq': \(32, 64\)\}"):
+        tpu_step._add_earlier(SimpleNamespace(add_to=str(earlier), modes=["strict"]),  # noqa: SLF001
+                              {"config": {**config, "seq": 64}, "modes": {}}, lambda text: None)
