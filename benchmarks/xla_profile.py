@@ -1,0 +1,177 @@
+"""Where a step's time goes on the device, from a JAX profiler trace (``jax.profiler.start_trace``).
+
+On a TPU the trace has a plane ``/device:TPU:0`` with the lines ``XLA Modules`` (one event per
+program run: ``name``, ``start_ns``, ``duration_ns``) and ``XLA Ops`` (one event per HLO op run, named
+like ``%convolution_reduce_fusion.3 = bf16[8,1024,2736]{...} fusion(...)``), read through
+``jax.profiler.ProfileData`` (layout checked on a v5e, jax 0.10.2, 2026-12-05). :func:`summarize`
+turns the trace of ``num_steps`` steps into per-step numbers: the device's busy time (the union of
+program runs), programs per step and the largest ones, the op time by category (matmul, attention
+scores, copy/transpose, collective, other), and the top ops.
+
+On CPU there is no device plane: programs run as XLA:CPU thunks on host threads. Then the
+``device`` part is ``None`` and the ops are the thunk events (their ``hlo_op`` stat), which is
+enough to see the largest ones but not a busy time.
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+from collections import defaultdict
+
+CATEGORIES = ("matmul", "attention scores", "copy/transpose", "collective", "other")
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COPIES = ("copy", "transpose", "bitcast", "reshape", "copy-start", "copy-done", "dynamic-update-slice")
+
+
+def parse_op(name: str) -> tuple[str, str, list[tuple[int, ...]]]:
+    """``(short name, HLO opcode, output shapes)`` of an ``XLA Ops`` event name; opcode and shapes
+    are empty where the name is a bare instruction name (XLA:CPU thunks)."""
+    head, sep, rest = name.partition(" = ")
+    short = head.strip().lstrip("%")
+    if not sep:
+        return short, "", []
+    match = re.search(r"\s([a-z][\w\-]*)\(", " " + rest)
+    opcode = match.group(1) if match else ""
+    shape_text = rest[:match.start()] if match else rest
+    shapes = [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", shape_text)]
+    return short, opcode, shapes
+
+
+def categorize(short: str, opcode: str, shapes: list, seq: int, hlo_category: str = "") -> str:
+    """One of :data:`CATEGORIES`. An op is "attention scores" when an output has rank >= 3 and ends in
+    ``(seq, seq)`` (weights are 2-d, so ``dim == seq`` does not confuse them); "matmul" when XLA's
+    category or the name says convolution/dot (TPU XLA emits dots as convolutions)."""
+    if seq and any(len(s) >= 3 and s[-2:] == (seq, seq) for s in shapes):
+        return "attention scores"
+    text = f"{hlo_category} {short} {opcode}".lower()
+    if "convolution" in text or re.search(r"\bdot\b|dot[._]|matmul", text):
+        return "matmul"
+    if any(c in text for c in _COLLECTIVES):
+        return "collective"
+    if "data formatting" in text or opcode in _COPIES or re.match(r"(copy|transpose)\b|copy[._]|transpose[._]", short):
+        return "copy/transpose"
+    return "other"
+
+
+def _stats(event) -> dict:
+    try:
+        return dict(event.stats)
+    except (TypeError, ValueError):  # stats this binding cannot turn into Python values
+        return {}
+
+
+def _union_ns(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> dict:
+    """Per-step summary of the trace(s) under ``trace_dir`` (see the module docstring)."""
+    from jax.profiler import ProfileData
+
+    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not paths:
+        return {"error": f"no *.xplane.pb under {trace_dir}"}
+    modules: list = []
+    ops: list = []
+    device_planes, source = [], "device"
+    for path in paths:
+        data = ProfileData.from_file(path)
+        for plane in data.planes:
+            lines = {line.name: line for line in plane.lines}
+            if plane.name.startswith("/device:") and "XLA Modules" in lines:
+                device_planes.append(plane.name)
+                modules += [(e.name, e.start_ns, e.duration_ns) for e in lines["XLA Modules"].events]
+                if "XLA Ops" in lines:
+                    ops += [(e.name, e.duration_ns, _stats(e)) for e in lines["XLA Ops"].events]
+        if not device_planes:  # XLA:CPU: thunk events on host threads carry an hlo_op stat
+            source = "host thunks (no device plane)"
+            for plane in data.planes:
+                for line in plane.lines:
+                    for e in line.events:
+                        stats = _stats(e)
+                        if "hlo_op" in stats:
+                            ops.append((str(stats["hlo_op"]), e.duration_ns, stats))
+    out: dict = {"source": source, "device_planes": device_planes, "steps": num_steps}
+    if modules:
+        busy = _union_ns([(start, start + dur) for _, start, dur in modules])
+        by_module: dict = defaultdict(lambda: [0, 0.0])
+        for name, _, dur in modules:
+            by_module[name][0] += 1
+            by_module[name][1] += dur
+        out["device"] = {"busy_s_per_step": busy / 1e9 / num_steps,
+                         "programs_per_step": len(modules) / num_steps,
+                         "programs": [{"name": n, "runs_per_step": c / num_steps, "s_per_step": t / 1e9 / num_steps}
+                                      for n, (c, t) in sorted(by_module.items(), key=lambda kv: -kv[1][1])[:8]]}
+    else:
+        out["device"] = None
+    per_op: dict = defaultdict(lambda: {"count": 0, "ns": 0.0, "flops": 0.0, "category": "", "opcode": "",
+                                        "shape": ""})
+    categories = dict.fromkeys(CATEGORIES, 0.0)
+    flops_by_category = dict.fromkeys(CATEGORIES, 0.0)
+    for name, dur, stats in ops:
+        # the event name is the HLO text on a v5e; where it is a bare name, a long_name stat may hold the text
+        long_name = name if " = " in name else str(stats.get("long_name", name))
+        short, opcode, shapes = parse_op(long_name if " = " in long_name else name)
+        category = categorize(short, opcode, shapes, seq, str(stats.get("hlo_category", "")))
+        row = per_op[short]
+        row["count"] += 1
+        row["ns"] += dur
+        row["category"], row["opcode"] = category, opcode
+        row["shape"] = "x".join(map(str, shapes[0])) if len(shapes) == 1 else ("tuple" if shapes else "")
+        flops = stats.get("flops") or stats.get("model_flops") or 0
+        if isinstance(flops, (int, float)):
+            row["flops"] += flops
+            flops_by_category[category] += flops
+        categories[category] += dur
+    total = sum(categories.values())
+    out["ops_s_per_step"] = total / 1e9 / num_steps
+    out["categories"] = {k: {"s_per_step": v / 1e9 / num_steps, "share": v / total if total else 0.0}
+                         for k, v in categories.items()}
+    matmul_ns = categories["matmul"]
+    if flops_by_category["matmul"] and matmul_ns:
+        out["matmul_tflops_from_trace"] = flops_by_category["matmul"] / matmul_ns / 1e3
+    out["top_ops"] = [{"name": n, "category": r["category"], "opcode": r["opcode"], "shape": r["shape"],
+                       "runs_per_step": r["count"] / num_steps, "s_per_step": r["ns"] / 1e9 / num_steps,
+                       "share": r["ns"] / total if total else 0.0}
+                      for n, r in sorted(per_op.items(), key=lambda kv: -kv[1]["ns"])[:top]]
+    return out
+
+
+def format_summary(summary: dict, wall_s: float, model_flops: float) -> list[str]:
+    """Lines for the log: busy vs wall, programs, categories, top ops. ``wall_s`` is the step's wall time
+    (median of the timed steps), ``model_flops`` the step's model FLOPs (for an achieved matmul rate)."""
+    if "error" in summary:
+        return [f"    profile: {summary['error']}"]
+    lines = []
+    dev = summary["device"]
+    if dev is None:
+        lines.append("    no device plane (CPU): device busy time not measured; ops below are XLA:CPU thunks")
+    else:
+        busy = dev["busy_s_per_step"]
+        lines.append(f"    device busy {busy * 1e3:.1f} ms/step of {wall_s * 1e3:.1f} ms wall "
+                     f"({busy / wall_s * 100:.0f}%); host/dispatch/idle gap {(wall_s - busy) * 1e3:.1f} ms; "
+                     f"{dev['programs_per_step']:.1f} programs/step")
+        lines.append("    programs: " + "; ".join(
+            f"{p['name']} x{p['runs_per_step']:.1f} {p['s_per_step'] * 1e3:.1f} ms" for p in dev["programs"][:5]))
+    cats = summary["categories"]
+    lines.append(f"    op time {summary['ops_s_per_step'] * 1e3:.1f} ms/step: " + ", ".join(
+        f"{k} {v['s_per_step'] * 1e3:.1f} ms ({v['share'] * 100:.0f}%)" for k, v in cats.items() if v["s_per_step"]))
+    matmul_s = cats["matmul"]["s_per_step"]
+    if "matmul_tflops_from_trace" in summary:
+        lines.append(f"    matmul ops run at {summary['matmul_tflops_from_trace']:.1f} TFLOP/s (the trace's flops "
+                     "stats)")
+    elif matmul_s and dev is not None:
+        lines.append(f"    model FLOPs / matmul-op time = {model_flops / matmul_s / 1e12:.1f} TFLOP/s (an upper bound "
+                     "on the matmuls' rate: attention's FLOPs partly run in 'attention scores' ops)")
+    for op in summary["top_ops"]:
+        lines.append(f"      {op['s_per_step'] * 1e3:8.2f} ms {op['share'] * 100:5.1f}% "
+                     f"x{op['runs_per_step']:<5.1f} {op['category']:<16} {op['opcode'] or '-':<12} "
+                     f"{op['shape']:<22} {op['name'][:60]}")
+    return lines
