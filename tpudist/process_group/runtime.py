@@ -16,7 +16,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 from tpudist.process_group.checks import STUCK_GRACE_S
 
@@ -63,6 +63,7 @@ _lock = threading.Lock()
 _runtime: Runtime | None = None
 _owner_id: int | None = None  # id() of the world group that booted the runtime
 _abandoned = False  # the world was aborted while a collective was inside XLA: see abandon()
+_on_teardown: list[Callable[[], None]] = []  # see on_teardown()
 
 
 def current() -> Runtime:
@@ -335,6 +336,12 @@ class GlooLoop:
 GLOO_LOOP = GlooLoop()
 
 
+def on_teardown(forget: Callable[[], None]) -> None:
+    """``forget`` runs when the runtime is torn down, before JAX's backends go: the modules above
+    that cache programs or meshes over this world's devices register their ``clear_cache``."""
+    _on_teardown.append(forget)
+
+
 def shutdown(owner: object) -> None:
     """Shuts the runtime down if ``owner`` booted it (destroying the world group).
 
@@ -376,9 +383,8 @@ def _teardown() -> None:
     import jax
     import jax.extend.backend
 
-    from tpudist.process_group import programs
-
-    programs.clear_cache()
+    for forget in _on_teardown:
+        forget()
     try:
         jax.distributed.shutdown()
     finally:
