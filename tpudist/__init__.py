@@ -7,7 +7,7 @@ Layers (imports flow downwards only): ``tpudist.mesh`` (the ICI torus as data: n
 ``tpudist.process_group`` (the c10d backend), ``tpudist.sharding`` (DTensor <-> JAX).
 """
 
-__version__ = "0.1.0"
+from tpudist._version import __version__
 
 
 def __getattr__(name):

@@ -21,21 +21,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tpudist._cache_settings import cache_root, local_default, max_bytes_from_env
+
 _enabled: str | None = None
-
-
-def _local_default() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tpudist"
-
-
-def cache_root() -> str | None:
-    """The root of tpudist's caches (a path or a URL), or None when ``TPUDIST_CACHE_DIR=0``."""
-    value = os.environ.get("TPUDIST_CACHE_DIR")
-    if value == "0":
-        return None
-    if value:
-        return value if "://" in value else str(Path(value).expanduser())
-    return str(_local_default())
 
 
 def cache_dir() -> Path | None:
@@ -44,7 +32,7 @@ def cache_dir() -> Path | None:
     if root is None:
         return None
     if "://" in root:
-        return Path(root[len("file://"):]) if root.startswith("file://") else _local_default()
+        return Path(root[len("file://"):]) if root.startswith("file://") else local_default()
     return Path(root)
 
 
@@ -72,8 +60,6 @@ def enable_persistent_cache() -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     if os.environ.get("TPUDIST_CACHE_MAX_BYTES") and importlib.util.find_spec("filelock") is not None:
-        from tpudist.program_cache import max_bytes_from_env
-
         jax.config.update("jax_compilation_cache_max_size", max_bytes_from_env())
     _enabled = str(path)
     return path

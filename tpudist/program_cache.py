@@ -53,13 +53,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from tpudist._cache_settings import cache_root, max_bytes_from_env, parse_bytes  # noqa: F401 - parse_bytes: also offered here
 from tpudist._cache_storage import TMP_PREFIX, storage_for
+from tpudist._version import __version__
 
 log = logging.getLogger(__name__)
 
 _MAGIC = b"TPUDIST-PROGRAM\x01"  # the format; a new layout bumps the last byte
 _SUFFIX = ".tpc"
-_DEFAULT_MAX_BYTES = 8 * 2**30
 _STALE_TMP_SECONDS = 3600  # a temporary file this old was left by a writer that died
 _EVICT_TO = 0.9  # eviction frees down to this share of the bound, so the next puts do not scan again
 
@@ -96,10 +97,8 @@ def versions() -> dict:
     import jaxlib
     import torch
 
-    import tpudist
-
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "torch": torch.__version__,
-            "tpudist": tpudist.__version__}
+            "tpudist": __version__}
 
 
 def key_of(kind: str, parts: Any) -> str:
@@ -110,26 +109,6 @@ def key_of(kind: str, parts: Any) -> str:
         raise ValueError(f"kind={kind!r} must be an identifier (it starts the entry's file name)")
     digest = hashlib.sha256(repr((sorted(versions().items()), parts)).encode()).hexdigest()
     return f"{kind}-{digest[:40]}"
-
-
-def parse_bytes(text: str) -> int:
-    """``"8G"`` -> 8 * 2**30; plain integers are bytes."""
-    text = text.strip()
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(text[-1:].upper(), 1)
-    number = text[:-1] if scale != 1 else text
-    try:
-        value = int(float(number) * scale)
-    except ValueError:
-        raise ValueError(f"TPUDIST_CACHE_MAX_BYTES={text!r} is not a size: write bytes or a number with "
-                         "K, M, G or T (e.g. 8G)") from None
-    if value <= 0:
-        raise ValueError(f"TPUDIST_CACHE_MAX_BYTES={text!r} must be positive; TPUDIST_CACHE_DIR=0 turns caching off")
-    return value
-
-
-def max_bytes_from_env() -> int:
-    value = os.environ.get("TPUDIST_CACHE_MAX_BYTES")
-    return _DEFAULT_MAX_BYTES if not value else parse_bytes(value)
 
 
 # -- the cache -----------------------------------------------------------------------------------------
@@ -299,8 +278,6 @@ def default_cache() -> ProgramCache | None:
         return _default[0]
     with _default_lock:
         if not _default:
-            from tpudist.jax_cache import cache_root
-
             root = cache_root()
             _default.append(None if root is None else ProgramCache(_join(root, "programs")))
     return _default[0]

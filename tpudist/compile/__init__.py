@@ -6,9 +6,10 @@ Dynamo captures the step, AOTAutograd turns it into Core ATen forward and backwa
 rematerialization), and each graph is interpreted through the shared aten -> JAX table, traced once
 by ``jax.jit`` and compiled ahead of time. Inputs are CPU tensors (zero-copy) or "tpu" device
 tensors (no crossing); functional collectives on "tpu" groups run inside the program. Modules:
-``backend`` (Dynamo/AOTAutograd wiring, options, device and missing-op checks), ``dynamic`` (dynamic
-sizes: buckets, the padding analysis, ``dynamic.STATS``), ``program``
-(interpreter, compile, caches, run), ``collectives`` (shard_map lowering, rank agreement),
+``backend`` (Dynamo/AOTAutograd wiring, options, device and missing-op checks), ``decompositions``
+(torch's Core ATen decompositions and their corrections), ``dynamic`` (dynamic sizes: buckets, the
+padding analysis, ``dynamic.STATS``), ``program`` (interpreter, compile, caches, run),
+``collectives`` (shard_map lowering, rank agreement),
 ``boundary`` / ``device_io`` (tensors in and out), ``entry`` (the entry points).
 """
 

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from tpudist.compile.decompositions import decompositions, math_sdpa
+
 aten = torch.ops.aten
 
 
@@ -363,13 +365,10 @@ def _needs_grad(graph: torch.fx.Graph, fakes: list) -> set:
 
 def trace_aten(gm: torch.fx.GraphModule, fakes: list) -> torch.fx.GraphModule:
     """``gm`` as a symbolic Core ATen graph, traced with Dynamo's own fake tensors (sizes stay symbols)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from tpudist.compile.backend import _decompositions, _math_sdpa
-
     from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     # the fake values' own mode (Dynamo's tracing context may hold another one by now)
     mode = next(f.fake_mode for f in fakes if isinstance(f, FakeTensor))
-    with mode, _math_sdpa():
-        return make_fx(gm, decomposition_table=_decompositions())(*fakes)
+    with mode, math_sdpa():
+        return make_fx(gm, decomposition_table=decompositions())(*fakes)

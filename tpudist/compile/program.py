@@ -458,12 +458,10 @@ def _call(node, args, kwargs, collectives, ops):
 def _table_digest() -> str:
     """The lowering table's and this backend's source: a program cached on disk by an older tpudist
     (a lowering fixed since) must not be reused."""
-    import tpudist.compile
     import tpudist.ops
 
     h = hashlib.sha256()
-    for package in (tpudist.ops, tpudist.compile):
-        root = Path(package.__file__).parent
+    for root in (Path(tpudist.ops.__file__).parent, Path(__file__).parent):  # the table, then tpudist.compile
         for path in sorted(root.rglob("*.py")):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())

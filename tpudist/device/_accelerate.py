@@ -26,7 +26,7 @@ import os
 import torch
 
 from tpudist._after_import import when_imported
-from tpudist.process_group._autoload import our_backend_name
+from tpudist._backend_names import our_backend_name
 
 _FLAG = "_tpudist_device"  # on accelerate's shared state: this run's ranks are "tpu" devices
 

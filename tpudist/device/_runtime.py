@@ -15,6 +15,9 @@ from collections import Counter
 
 from torch import Generator as _TorchGenerator
 
+from tpudist import _world
+from tpudist.jax_cache import enable_persistent_cache
+
 LOCK = threading.RLock()
 MODES = ("debug", "strict", "fused")
 _MODE_ENV = "TPUDIST_EAGER_MODE"
@@ -46,12 +49,8 @@ def device():
     with LOCK:
         if _device is not None:
             return _device
-        from tpudist.jax_cache import enable_persistent_cache
-        from tpudist.process_group import runtime
-
-        if runtime.is_booted():
-            _device = runtime.current().local_device
-        else:
+        _device = _world.local_device()
+        if _device is None:
             world = int(os.environ.get("WORLD_SIZE", "1") or 1)
             if world > 1:
                 raise DeviceInitError(
@@ -80,11 +79,8 @@ def follow_process_group() -> None:
     the chip belonged to the old world's backends, so the next use looks it up again.
     """
     global _device
-    from tpudist.jax_cache import enable_persistent_cache
-    from tpudist.process_group import runtime
-
     with LOCK:
-        _device = runtime.current().local_device if runtime.is_booted() else None
+        _device = _world.local_device()
         if _device is not None:
             enable_persistent_cache()  # device() returns this chip without looking it up (and enabling)
 
@@ -225,10 +221,7 @@ def run_with_generator(run, op, args, kwargs):
 
 def _follow_a_booted_process_group() -> None:
     """``import tpudist.device`` after ``init_process_group("tpu")``: the chip is known already."""
-    import sys
-
-    runtime = sys.modules.get("tpudist.process_group.runtime")
-    if runtime is not None and runtime.is_booted():
+    if _world.local_device() is not None:
         follow_process_group()
 
 

@@ -15,18 +15,26 @@ import math
 import operator
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tpudist.mesh._errors import TopologyError
-from tpudist.mesh.cost import CollectiveCost, RingAxis, estimate_collective
-from tpudist.mesh.topology import Topology
+from tpudist.mesh.cost import PHYSICAL_AXIS_NAMES, CollectiveCost, RingAxis, estimate_collective, format_seconds
+
+if TYPE_CHECKING:  # the layout reads a topology it is handed; topology.py offers it as Topology.mesh_layout
+    from tpudist.mesh.topology import Topology
 
 # JAX's "TPU7x" handler (mesh_utils._7x_create_device_mesh) orders the two TensorCores of each chip
 # of a 2x2 tray; fed one device per chip it would make diagonal chips neighbours. tpudist lays out
 # 7x per chip (one rank per chip), so its mock devices carry a kind JAX has no handler for, which
 # sends them through JAX's generic 3-D torus assignment, as for v4.
 CHIP_LEVEL_7X_DEVICE_KIND = "TPU7x (one device per chip)"
+
+# The array size used to give each mesh axis a concrete all-reduce time in descriptions.
+DESCRIBE_ALL_REDUCE_BYTES = 2**20
+# Rank arrays up to this many chips are printed in full.
+DESCRIBE_MAX_PRINTED_RANKS = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -156,10 +164,42 @@ class MeshLayout:
         return self.collective_cost(op, nbytes, axes).seconds
 
     def describe(self) -> str:
-        """The slice, then which physical axes each mesh axis got, with wraparound."""
-        from tpudist.mesh.describe import describe  # describe imports this module
+        """The slice, then which physical axes each mesh axis got, with wraparound.
 
-        return describe(self)
+        Example:
+            >>> layout = Topology.parse("v4:2x2x1").mesh_layout((2, 2), axis_names=("dp", "tp"))
+            >>> layout.describe().splitlines()[4:6]
+            ['mesh (dp=2, tp=2):', '  dp 2 chips on y: ring; neighbours 1 hop apart; all_reduce of 1 MiB 23.3 us']
+        """
+        topology = self.topology
+        axes = ", ".join(f"{name}={size}" for name, size in zip(self.axis_names, self.mesh_shape))
+        lines = [f"mesh ({axes}):"]
+        width = max(len(name) for name in self.axis_names)
+        for index, (name, size) in enumerate(zip(self.axis_names, self.mesh_shape)):
+            if size == 1:
+                lines.append(f"  {name:<{width}} 1 chip")
+                continue
+            parts = []
+            for p, span in zip(self.physical_axes[index], self.physical_sizes[index]):
+                whole = span == topology.shape[p]
+                parts.append(f"{PHYSICAL_AXIS_NAMES[p]}" + ("" if whole else f" ({span} of "
+                                                             f"{topology.shape[p]})"))
+            step, closing = self.ring_hops(index)
+            if self.wraps(index):
+                shape = "ring with wraparound"
+            elif closing <= 1:
+                shape = "ring"
+            else:
+                shape = f"no wraparound, {closing} hops back"
+            cost = self.collective_cost("all_reduce", DESCRIBE_ALL_REDUCE_BYTES, index)
+            lines.append(
+                f"  {name:<{width}} {size} chips on {', '.join(parts)}: {shape}; neighbours "
+                f"{step} hop{'s' if step != 1 else ''} apart; all_reduce of 1 MiB "
+                f"{format_seconds(cost.seconds)}")
+        if topology.num_chips <= DESCRIBE_MAX_PRINTED_RANKS:
+            lines.append("ranks:")
+            lines.extend("  " + line for line in str(self.rank_array).splitlines())
+        return "\n".join([topology.describe(), *lines])
 
 
 def mesh_layout(topology: Topology, mesh_shape: Sequence[int] | str, *,

@@ -22,14 +22,13 @@ from tpudist.mesh._errors import TopologyError
 from tpudist.mesh.cost import (
     PHYSICAL_AXIS_NAMES, CollectiveCost, RingAxis, estimate_collective)
 from tpudist.mesh.generations import (
-    CUBE_SIZE, GENERATION_NAMES, GENERATIONS, HOST_SHAPE_2D_MULTI_HOST, HOST_SHAPE_3D,
-    PART_OF_HOST_3D_SHAPES, PUBLISHED_2D_SHAPES, PUBLISHED_3D_SUB_CUBE_SHAPES,
+    CUBE_SIZE, GENERATION_NAMES, GENERATIONS, HOP_LATENCY_SECONDS, HOST_SHAPE_2D_MULTI_HOST,
+    HOST_SHAPE_3D, PART_OF_HOST_3D_SHAPES, PUBLISHED_2D_SHAPES, PUBLISHED_3D_SUB_CUBE_SHAPES,
     SINGLE_HOST_MAX_CHIPS_2D, WRAP_AXIS_SIZE_2D, Generation)
+from tpudist.mesh.layout import MeshLayout, mesh_layout
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from tpudist.mesh.layout import MeshLayout
 
 _GENERATION_ALIASES = {"tpu7x": "7x", "v7x": "7x"}
 
@@ -271,8 +270,6 @@ class Topology:
             >>> Topology.parse("v4:4x4x4").mesh_layout((1, 16, 4)).physical_axes
             ((), (1, 2), (0,))
         """
-        from tpudist.mesh.layout import mesh_layout  # layout imports this module
-
         return mesh_layout(self, mesh_shape, axis_names=axis_names,
                            allow_split_physical_axes=allow_split_physical_axes,
                            contiguous_submeshes=contiguous_submeshes)
@@ -293,10 +290,41 @@ class Topology:
                                 contiguous_submeshes=contiguous_submeshes).rank_array
 
     def describe(self) -> str:
-        """A few lines on the slice: chips, axes and wraparound, hosts, per-chip figures."""
-        from tpudist.mesh.describe import describe  # describe imports this module
+        """A few lines on the slice: chips, axes and wraparound, hosts, per-chip figures.
 
-        return describe(self)
+        Example:
+            >>> print(Topology.parse("v4:2x2x1").describe().splitlines()[0])
+            v4:2x2x1: TPU v4 slice of 4 chips (x=2, y=2, z=1), 3-D torus
+        """
+        info = self.generation_info
+        names = PHYSICAL_AXIS_NAMES[: self.num_dims]
+        sizes = ", ".join(f"{name}={size}" for name, size in zip(names, self.shape))
+        wrapped = tuple(p for p, wraps in enumerate(self.wraparound) if wraps)
+        if len(wrapped) == self.num_dims:
+            wrap = "on every axis"
+        elif wrapped:
+            wrap = f"on {', '.join(PHYSICAL_AXIS_NAMES[p] for p in wrapped)} only"
+        else:
+            wrap = "on no axis"
+        rule = ("slices of whole 4x4x4 cubes wrap" if info.wraps_by_cube
+                else "axes of 16 chips wrap")
+        host = "x".join(map(str, self.host_shape))
+        lines = [
+            f"{self}: {info.device_kind} slice of {self.num_chips} chips ({sizes}), "
+            f"{self.num_dims}-D torus",
+            f"  wraparound {wrap} ({rule})",
+            f"  hosts: {self.num_hosts} of up to {self.chips_per_host} chips ({host}); ranks "
+            "are host-major, x fastest within a host",
+            f"  per chip: {info.hbm_bytes / 2**30:g} GiB HBM at {info.hbm_bytes_per_s:.3g} B/s, "
+            f"{info.peak_bf16_flops:.3g} bf16 FLOP/s, {info.links_per_chip} ICI links of "
+            f"{info.ici_one_way_bytes_per_s:.3g} B/s one-way, "
+            f"~{HOP_LATENCY_SECONDS * 1e6:g} us per hop",
+        ]
+        if self.devices_per_chip > 1:
+            lines.append(
+                f"  devices: {self.devices_per_chip} per chip (TensorCores) on hardware; one rank "
+                "per chip drives them, the CPU emulation gives it one device")
+        return "\n".join(lines)
 
     def _check_rank(self, rank: int, name: str) -> int:
         if isinstance(rank, bool) or not hasattr(rank, "__index__"):

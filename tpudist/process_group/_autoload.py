@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import warnings
 
-BACKEND_NAME = "tpu"
-ALIAS_NAME = "tpudist"  # always ours, for when another package already owns "tpu"
+from tpudist._backend_names import ALIAS_NAME, BACKEND_NAME, is_ours, our_backend_name, plugin  # noqa: F401 - our_backend_name: also here
 
 
 def _create(dist_backend_opts, backend_options):
@@ -21,22 +20,6 @@ def _create(dist_backend_opts, backend_options):
 _create.tpudist = True  # marks our creator, so a second register() recognises it
 
 
-def _plugin(name: str):
-    import torch.distributed as dist
-
-    return dist.Backend._plugins.get(name.upper())  # noqa: SLF001 - torch keeps no public map
-
-
-def _is_ours(plugin) -> bool:
-    return getattr(plugin.creator_fn, "tpudist", False)
-
-
-def our_backend_name() -> str:
-    """The c10d name of tpudist's backend in this process: "tpu", or "tpudist" when another package owns "tpu"."""
-    plugin = _plugin(BACKEND_NAME)
-    return BACKEND_NAME if plugin is not None and _is_ours(plugin) else ALIAS_NAME
-
-
 def register() -> None:
     """Registers "tpu" (unless another package owns it) and the alias "tpudist"."""
     import torch.distributed as dist
@@ -44,8 +27,8 @@ def register() -> None:
     if not dist.is_available():
         return
     for name in (BACKEND_NAME, ALIAS_NAME):
-        existing = _plugin(name)
-        if existing is not None and not _is_ours(existing):
+        existing = plugin(name)
+        if existing is not None and not is_ours(existing):
             warnings.warn(
                 f'c10d backend "{name}" is already registered by another package; tpudist keeps '
                 f'theirs. Use init_process_group("{ALIAS_NAME}") for tpudist.', stacklevel=2)

@@ -330,15 +330,6 @@ def _all_to_all_ragged(pg: Any, op: str, inputs: list, outputs: list, async_op: 
 # -- point to point: posted, paired and run as 2-device programs by p2p.py ------------------------------
 
 
-def send(pg: Any, tensors: list, dst: int, tag: int) -> Work:
-    from tpudist.process_group.p2p import P2P
-
-    return P2P.post(pg, "send", _one("send", tensors), pg._check_rank("send", "dst", dst), tag)  # noqa: SLF001
-
-
-def recv(pg: Any, tensors: list, src: int | None, tag: int) -> Work:
-    """A recv from ``src``, or from any source when ``src`` is None."""
-    from tpudist.process_group.p2p import P2P
-
-    peer = None if src is None else pg._check_rank("recv", "src", src)  # noqa: SLF001
-    return P2P.post(pg, "recv", _one("recv", tensors), peer, tag)
+def one_on_device(op: str, tensors: list) -> torch.Tensor:
+    """The one tensor of a send or recv of tpu tensors."""
+    return _one(op, tensors)

@@ -177,10 +177,15 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
     def _mismatch(self, op: str, device_set: tuple[int, ...], fingerprints: np.ndarray) -> CollectiveMismatch:
         """Ranks sent different fingerprints: nothing ran. Takes this call back out of the count."""
         self._programs_run[device_set] -= 1  # keep the ranks' counts aligned
+        return self._calls_differ(op, range(len(fingerprints)), fingerprints)
+
+    def _calls_differ(self, op: str, ranks: Any, fingerprints: Any) -> CollectiveMismatch:
+        """The error each rank raises when the calls of ``ranks`` (their ``fingerprints``, in that
+        order) differ, each call in words; p2p.py's pairs raise it too."""
         names = {programs.group_code(g.group_name): g.group_name for g in _live_groups()}
         mixed = len({int(fp[0]) & device_arrays.DEVICE_FLAG for fp in fingerprints}) > 1
         calls = "; ".join(f"rank {r} called {device_arrays.describe_fingerprint(fp, names, mixed)}"
-                          for r, fp in enumerate(fingerprints))
+                          for r, fp in zip(ranks, fingerprints))
         return CollectiveMismatch(
             f"{self._describe(op)}: ranks issued different collectives ({calls}). Every rank of "
             "a group must issue the same collectives, with the same shapes, dtypes and reduce "
@@ -449,22 +454,20 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
     # -- point to point: a 2-device ppermute, both sides dispatching the same program -------------
     def send(self, tensors, dst_rank, tag=0):
-        if dc.on_device(tensors):
-            return dc.send(self, tensors, dst_rank, tag)
-        t = self._one("send", tensors)
+        t = self._p2p_one("send", tensors)
         return P2P.post(self, "send", t, self._check_rank("send", "dst", dst_rank), tag)
 
     def recv(self, tensors, src_rank, tag=0):
-        if dc.on_device(tensors):
-            return dc.recv(self, tensors, src_rank, tag)
-        t = self._one("recv", tensors)
+        t = self._p2p_one("recv", tensors)
         return P2P.post(self, "recv", t, self._check_rank("recv", "src", src_rank), tag)
 
     def recv_anysource(self, tensors, tag=0):
         # Paired with a sender through the store first, then an ordinary transfer (p2p.py).
-        if dc.on_device(tensors):
-            return dc.recv(self, tensors, None, tag)
-        return P2P.post(self, "recv", self._one("recv", tensors), None, tag)
+        return P2P.post(self, "recv", self._p2p_one("recv", tensors), None, tag)
+
+    def _p2p_one(self, op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The one tensor of a send or recv; p2p.py moves a tpu tensor's storage with no host copy."""
+        return dc.one_on_device(op, tensors) if dc.on_device(tensors) else self._one(op, tensors)
 
     # -- synchronisation --------------------------------------------------------------------------
     def barrier(self, opts=None):

@@ -531,18 +531,10 @@ def _either_on_device(op: Pending) -> bool:
 
 def _mismatch(op: Pending, pair: tuple[int, int]) -> CollectiveMismatch:
     """The error both sides raise when their ops differ, in the collectives' words."""
-    from tpudist.process_group.group import _live_groups
-
     mine = np.frombuffer(bytes.fromhex(op.signature.decode()), np.int32)
     peer = np.frombuffer(bytes.fromhex(op.peer_signature.decode()), np.int32)
     fps = [mine, peer] if op.group.global_ranks[op.group.rank()] == pair[0] else [peer, mine]
-    names = {programs.group_code(g.group_name): g.group_name for g in _live_groups()}
-    mixed = len({int(fp[0]) & da.DEVICE_FLAG for fp in fps}) > 1
-    calls = "; ".join(f"rank {r} called {da.describe_fingerprint(fp, names, mixed)}" for r, fp in zip(pair, fps))
-    return CollectiveMismatch(
-        f"{op.group._describe(op.kind)}: ranks issued different collectives ({calls}). Every rank of "  # noqa: SLF001
-        "a group must issue the same collectives, with the same shapes, dtypes and reduce ops, in the "
-        "same order; no data was exchanged.")
+    return op.group._calls_differ(op.kind, pair, fps)  # noqa: SLF001
 
 
 # Waiting for a pair's next transfer: a short first pause (a ping-pong's peer posts within ~0.1 ms),

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tpudist.process_group import envelope
+from tpudist.process_group import envelope, runtime
 from tpudist.process_group.lowerings import (  # noqa: F401 - the ReduceOp names are used via programs.*
     AVG, AXIS, BAND, BOR, BXOR, LOWERINGS, MAX, MIN, PREMUL_SUM, PRODUCT, REDUCES, SUM, Lowering)
 from tpudist.process_group.runtime import GLOO_LOOP
@@ -318,13 +318,14 @@ def clear_cache() -> None:
         _rows_buffers.clear()
 
 
+runtime.on_teardown(clear_cache)  # the programs and meshes hold the world's devices
+
+
 def mesh_of(group: tuple[int, ...]) -> Any:
     """The 1-D ``jax.sharding.Mesh`` over the devices of ``group`` (global ranks), in group order."""
     mesh = _meshes.get(group)
     if mesh is None:
         from jax.sharding import Mesh
-
-        from tpudist.process_group import runtime
 
         rt = runtime.current()
         mesh = _meshes[group] = Mesh(np.array([rt.device(r) for r in group]), (AXIS,))
@@ -401,8 +402,6 @@ def _build(key: ProgramKey, verify: bool, small: bool) -> Compiled:
     from jax._src import core
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    from tpudist.process_group import runtime
 
     n = len(key.group)
     mesh = mesh_of(key.group)

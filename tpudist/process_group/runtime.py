@@ -16,8 +16,9 @@ import threading
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
+from tpudist import _world
 from tpudist.process_group.checks import STUCK_GRACE_S
 
 _COORDINATOR_KEY = "tpudist/jax_coordinator"
@@ -63,6 +64,7 @@ _lock = threading.Lock()
 _runtime: Runtime | None = None
 _owner_id: int | None = None  # id() of the world group that booted the runtime
 _abandoned = False  # the world was aborted while a collective was inside XLA: see abandon()
+_on_teardown: list[Callable[[], None]] = []  # see on_teardown()
 
 
 def current() -> Runtime:
@@ -225,6 +227,7 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
         _runtime = Runtime(platform, rank, world_size, tuple(by_process[r] for r in range(world_size)),
                            topology, float(collective_timeout_s))
         _owner_id = id(owner)
+        _world.set_local_device(_runtime.local_device)
         return _runtime
 
 
@@ -335,6 +338,12 @@ class GlooLoop:
 GLOO_LOOP = GlooLoop()
 
 
+def on_teardown(forget: Callable[[], None]) -> None:
+    """``forget`` runs when the runtime is torn down, before JAX's backends go: the modules above
+    that cache programs or meshes over this world's devices register their ``clear_cache``."""
+    _on_teardown.append(forget)
+
+
 def shutdown(owner: object) -> None:
     """Shuts the runtime down if ``owner`` booted it (destroying the world group).
 
@@ -358,6 +367,7 @@ def abandon(owner: object) -> None:
     with _lock:
         if _runtime is not None and _owner_id == id(owner):
             _abandoned = True
+            _world.set_local_device(None)
 
 
 def _end_abandoned() -> None:
@@ -376,13 +386,13 @@ def _teardown() -> None:
     import jax
     import jax.extend.backend
 
-    from tpudist.process_group import programs
-
-    programs.clear_cache()
+    for forget in _on_teardown:
+        forget()
     try:
         jax.distributed.shutdown()
     finally:
         jax.clear_caches()
         jax.extend.backend.clear_backends()
         _runtime, _owner_id, _abandoned = None, None, False
+        _world.set_local_device(None)
         GLOO_LOOP.tid, GLOO_LOOP.is_idle = None, False  # the thread ended with the backend
