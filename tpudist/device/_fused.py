@@ -20,6 +20,7 @@ import weakref
 import jax
 import numpy as np
 
+from tpudist.device import _hoist
 from tpudist.device import _runtime as rt
 from tpudist.device._core import Lazy, result_of
 from tpudist.device._storage import _ATTR, X64
@@ -177,6 +178,52 @@ def _load_or_compile(g: Graph, live, sc):
     return compiled
 
 
+def _build(g: Graph, live: list, sc):
+    """The program of a graph seen for the first time: compiled (or loaded) whole, or, where the graph
+    creates outliving constant storages (an optimizer's first step), as _hoist's two programs."""
+    split = _hoist.split(g.nodes, live, len(g.scalars))
+    if split is None:
+        rt.stats["programs"] += 1
+        return _load_or_compile(g, live, sc)
+    rt.stats["hoisted_ops"] += len(split.init_nodes)
+    init = _cached(split.init_nodes, [], split.init_live, sc[split.init_scalars])
+    return _SplitProgram(split, init)
+
+
+def _cached(nodes, inputs: list, live, sc):
+    """The program of a split-off graph: this process's if a graph recorded as this one ran before,
+    else compiled or loaded; keyed as ``flush`` keys a recorded graph."""
+    key = (tuple(nodes), tuple(live), rt.device())
+    program = _PROGRAMS.get(key)
+    if program is None:
+        sub = Graph()
+        sub.nodes, sub.inputs, sub.scalars = list(nodes), inputs, list(sc)
+        program = _PROGRAMS[key] = _load_or_compile(sub, live, sc)
+        rt.stats["programs"] += 1
+    return program
+
+
+class _SplitProgram:
+    """A graph run as its init program, then its main program reading the init's results. The main
+    program is looked up at the first run, when its inputs exist: it is the next step's whole program."""
+
+    def __init__(self, split, init):
+        self.split, self.init, self.main = split, init, None
+
+    def __call__(self, inputs, sc):
+        s = self.split
+        made = self.init([], sc[s.init_scalars])
+        args = s.main_args(inputs, made)
+        main_sc = sc[s.main_scalars]
+        if self.main is None:
+            self.main = _cached(s.main_nodes, args, s.main_live, main_sc)
+        return s.outputs(self.main(args, main_sc), made)
+
+
+def _first(pair):
+    return pair[0]
+
+
 def flush() -> None:
     """Run the pending graph (a sync point); a no-op when nothing is pending."""
     global _graph
@@ -197,6 +244,8 @@ def flush() -> None:
                 seen.add(id(b))
                 live.append(v.index)
                 bufs.append(b)
+        if live:  # in value order, not first-write order: a step whose state _hoist split off keys as the next
+            live, bufs = map(list, zip(*sorted(zip(live, bufs), key=_first)))
         # kernels hash by identity, as their ids did; the device too: a program from the program
         # cache is an executable of this device, and a new world (a new JAX backend) has new devices
         key = (tuple(g.nodes), tuple(live), rt.device())
@@ -207,8 +256,7 @@ def flush() -> None:
         compiling = program is None
         try:
             if compiling:
-                program = _PROGRAMS[key] = _load_or_compile(g, live, sc)
-                rt.stats["programs"] += 1
+                program = _PROGRAMS[key] = _build(g, live, sc)
             prev = X64.swap_local(True)
             try:
                 outs = program(g.inputs, sc)

@@ -1,0 +1,159 @@
+"""Fused mode: a step's new constant storages (an optimizer's state) are made by a program of their own.
+
+An optimizer creates its state on its first step: AdamW's ``exp_avg``/``exp_avg_sq`` are
+``zeros_like(p)`` inside step 1, and step 2 reads them. Recorded as they are, step 1's program has
+those ops and step 2's reads the same storages as inputs: two different programs of the whole step.
+On a TPU v5e that compiled a 158M-parameter step twice (70 s, then 63 s; issue #37).
+
+So when a graph's program is first built (a cache miss, never on a hit), the ops that create a
+storage that outlives the graph with a value that reads no array (a constant: zeros, ones,
+``full``, ``arange``; random draws too, which read only the seed and counter) are split off: they
+run first as a small *init* program, and the rest of the graph reads their results as inputs,
+numbered as a graph recorded after them would number them. That rest is exactly step 2's program,
+so step 2 finds it compiled. Constants that do not outlive the graph (a causal mask) stay in the
+program, where XLA folds them. A graph that creates such a storage at every sync runs the two
+programs at every sync (one more dispatch); any other graph is untouched.
+
+Whether an op's results read an array is decided on its traced jaxpr (once per kernel), not by a
+list of op names: any factory lowering qualifies.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.extend.core import Var
+
+from tpudist import ops as tops
+
+_ARRAY_FREE: dict = {}  # (kernel, number of scalars it reads) -> whether its results read no array
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A graph as two: ``init_nodes`` (no inputs) then ``main_nodes``.
+
+    ``main_inputs[i]`` is where the main program's input i comes from: ``k >= 0`` the graph's input k,
+    ``-1 - j`` the init program's output j. ``live[p]`` is where the graph's live value p comes from:
+    ``k >= 0`` the main program's output k, ``-1 - j`` the init program's output j. ``init_scalars``
+    and ``main_scalars`` index the graph's scalar vector.
+    """
+
+    init_nodes: tuple
+    init_live: tuple
+    init_scalars: np.ndarray
+    main_nodes: tuple
+    main_live: tuple
+    main_scalars: np.ndarray
+    main_inputs: tuple
+    live: tuple
+
+    def main_args(self, inputs: list, made: list) -> list:
+        return [inputs[k] if k >= 0 else made[-1 - k] for k in self.main_inputs]
+
+    def outputs(self, main_outs: list, made: list) -> list:
+        return [main_outs[k] if k >= 0 else made[-1 - k] for k in self.live]
+
+
+def split(nodes: list, live: list, num_scalars: int) -> Split | None:
+    """The split of a graph (``nodes`` as ``_fused.Graph`` records them, ``live`` its output values in
+    ascending order), or None when no op creates an outliving constant storage."""
+    bases = [base for _, _, base in nodes] + [num_scalars]
+    producer, overwrote = _values(nodes)
+    hoisted = sorted({producer[origin] for origin in _origins(live, overwrote)
+                      if _array_free(nodes[producer[origin]][0], bases[producer[origin] + 1] - bases[producer[origin]])})
+    if not hoisted:
+        return None
+    hoisted_set = set(hoisted)
+    init_nodes, init_scalars, made = [], [], {}  # made: graph value -> init output
+    for i in hoisted:
+        kernel, refs, base = nodes[i]
+        init_nodes.append((kernel, (None,) * len(refs), len(init_scalars)))  # it reads no array
+        init_scalars.extend(range(base, bases[i + 1]))
+    main_nodes, main_scalars, main_inputs, input_of, renumbered = [], [], [], {}, {}
+    for i, (kernel, refs, base) in enumerate(nodes):
+        if i in hoisted_set:
+            for v in _produced(i, producer):
+                made[v] = len(made)
+            continue
+        new_refs = []
+        for r in refs:
+            if r is not None and r >= 0 and r in renumbered:
+                new_refs.append(renumbered[r])
+                continue
+            if r is not None:  # a graph input, or an init output: the main program's input, numbered at first read
+                source = -1 - made[r] if r >= 0 else -1 - r
+                if source not in input_of:
+                    input_of[source] = len(main_inputs)
+                    main_inputs.append(source)
+                r = -1 - input_of[source]
+            new_refs.append(r)
+        main_nodes.append((kernel, tuple(new_refs), len(main_scalars)))
+        main_scalars.extend(range(base, bases[i + 1]))
+        for v in _produced(i, producer):
+            renumbered[v] = len(renumbered)
+    main_live, sources = [], []
+    for v in live:
+        if v in renumbered:
+            sources.append(len(main_live))
+            main_live.append(renumbered[v])
+        else:
+            sources.append(-1 - made[v])
+    return Split(tuple(init_nodes), tuple(range(len(made))), np.asarray(init_scalars, np.int64),
+                 tuple(main_nodes), tuple(main_live), np.asarray(main_scalars, np.int64), tuple(main_inputs),
+                 tuple(sources))
+
+
+def _values(nodes: list) -> tuple[list, dict]:
+    """``producer[v]``: the node that made value v; ``overwrote[v]``: for a value an op wrote into an
+    existing storage, the ref (value, input, or None) it replaced."""
+    producer, overwrote = [], {}
+    for i, (kernel, refs, _) in enumerate(nodes):
+        for slot in kernel.written_slots:
+            overwrote[len(producer)] = refs[slot]
+            producer.append(i)
+        producer.extend([i] * len(kernel.outputs))
+    return producer, overwrote
+
+
+def _produced(i: int, producer: list) -> range:
+    # values are numbered in node order, so node i's are one run
+    return range(bisect.bisect_left(producer, i), bisect.bisect_right(producer, i))
+
+
+def _origins(live: list, overwrote: dict) -> set:
+    """The fresh values (a new storage's first value) whose storage is still live: each live value
+    followed back through the in-place writes onto its storage. Storages that held a value before the
+    graph (its inputs, unwritten ones) have no origin here."""
+    origins = set()
+    for v in live:
+        while v is not None and v >= 0 and v in overwrote:
+            v = overwrote[v]
+        if v is not None and v >= 0:
+            origins.add(v)
+    return origins
+
+
+def _array_free(kernel, num_scalars: int) -> bool:
+    """Whether none of ``kernel``'s results reads an array (they may read its scalars)."""
+    key = (kernel, num_scalars)
+    free = _ARRAY_FREE.get(key)
+    if free is None:
+        arrays = [jax.ShapeDtypeStruct((numel,), tops.to_jax_dtype(dtype)) for numel, dtype in kernel.slots]
+        scalars = jax.ShapeDtypeStruct((num_scalars,), np.float64)
+        with jax.enable_x64(True):
+            closed = jax.make_jaxpr(lambda a, s: kernel.trace(a, s))(arrays, scalars)
+        free = _ARRAY_FREE[key] = not _reads(closed.jaxpr, closed.jaxpr.invars[:len(arrays)])
+    return free
+
+
+def _reads(jaxpr, sources) -> bool:
+    """Whether any output of ``jaxpr`` depends on ``sources`` (a call's outputs depend on all its inputs)."""
+    tainted = set(sources)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, Var) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    return any(isinstance(v, Var) and v in tainted for v in jaxpr.outvars)
