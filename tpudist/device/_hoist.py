@@ -60,32 +60,48 @@ class Split:
 
 def split(nodes: list, live: list, num_scalars: int) -> Split | None:
     """The split of a graph (``nodes`` as ``_fused.Graph`` records them, ``live`` its output values in
-    ascending order), or None when no op creates an outliving constant storage."""
+    ascending order), or None when no op creates an outliving constant storage or nothing else is live."""
     bases = [base for _, _, base in nodes] + [num_scalars]
     producer, overwrote = _values(nodes)
-    hoisted = sorted({producer[origin] for origin in _origins(live, overwrote)
-                      if _array_free(nodes[producer[origin]][0], bases[producer[origin] + 1] - bases[producer[origin]])})
+    hoisted = sorted({producer[v] for v in _origins(live, overwrote)
+                      if _array_free(nodes[producer[v]][0], bases[producer[v] + 1] - bases[producer[v]])})
     if not hoisted:
         return None
-    hoisted_set = set(hoisted)
-    init_nodes, init_scalars, made = [], [], {}  # made: graph value -> init output
+    init_nodes, init_scalars = [], []
     for i in hoisted:
         kernel, refs, base = nodes[i]
         init_nodes.append((kernel, (None,) * len(refs), len(init_scalars)))  # it reads no array
         init_scalars.extend(range(base, bases[i + 1]))
+    made = {v: j for j, v in enumerate(v for i in hoisted for v in _produced(i, producer))}
+    main_nodes, main_scalars, main_inputs, renumbered = _rest(nodes, bases, set(hoisted), producer, made)
+    main_live, sources = [], []
+    for v in live:
+        if v in renumbered:
+            sources.append(len(main_live))
+            main_live.append(renumbered[v])
+        else:
+            sources.append(-1 - made[v])
+    if not main_live:  # the graph only makes constants (torch.zeros(n, device="tpu") alone): one program
+        return None
+    return Split(tuple(init_nodes), tuple(range(len(made))), np.asarray(init_scalars, np.int64),
+                 tuple(main_nodes), tuple(main_live), np.asarray(main_scalars, np.int64), tuple(main_inputs),
+                 tuple(sources))
+
+
+def _rest(nodes: list, bases: list, hoisted: set, producer: list, made: dict) -> tuple:
+    """The graph without the ``hoisted`` nodes, as ``_fused.record`` would have numbered it had their
+    results been concrete arrays: values renumbered in order, inputs (the graph's, or the init's
+    results, which ``made`` numbers) numbered at their first read, scalars packed."""
     main_nodes, main_scalars, main_inputs, input_of, renumbered = [], [], [], {}, {}
     for i, (kernel, refs, base) in enumerate(nodes):
-        if i in hoisted_set:
-            for v in _produced(i, producer):
-                made[v] = len(made)
+        if i in hoisted:
             continue
         new_refs = []
         for r in refs:
             if r is not None and r >= 0 and r in renumbered:
-                new_refs.append(renumbered[r])
-                continue
-            if r is not None:  # a graph input, or an init output: the main program's input, numbered at first read
-                source = -1 - made[r] if r >= 0 else -1 - r
+                r = renumbered[r]
+            elif r is not None:
+                source = -1 - made[r] if r >= 0 else -1 - r  # as Split.main_inputs says
                 if source not in input_of:
                     input_of[source] = len(main_inputs)
                     main_inputs.append(source)
@@ -95,16 +111,7 @@ def split(nodes: list, live: list, num_scalars: int) -> Split | None:
         main_scalars.extend(range(base, bases[i + 1]))
         for v in _produced(i, producer):
             renumbered[v] = len(renumbered)
-    main_live, sources = [], []
-    for v in live:
-        if v in renumbered:
-            sources.append(len(main_live))
-            main_live.append(renumbered[v])
-        else:
-            sources.append(-1 - made[v])
-    return Split(tuple(init_nodes), tuple(range(len(made))), np.asarray(init_scalars, np.int64),
-                 tuple(main_nodes), tuple(main_live), np.asarray(main_scalars, np.int64), tuple(main_inputs),
-                 tuple(sources))
+    return main_nodes, main_scalars, main_inputs, renumbered
 
 
 def _values(nodes: list) -> tuple[list, dict]:
