@@ -20,7 +20,7 @@ import weakref
 import jax
 import numpy as np
 
-from tpudist.device import _hoist
+from tpudist.device import _hoist, _oom
 from tpudist.device import _runtime as rt
 from tpudist.device._core import Lazy, result_of
 from tpudist.device._storage import _ATTR, X64
@@ -263,9 +263,13 @@ def flush() -> None:
             finally:
                 X64.set_local(prev)
         except Exception as e:
+            # the graph did not run: storages it wrote go back to their values before it (as at the last
+            # sync), storages it made stay unwritten; nothing is left pending
+            for b, ref in zip(bufs, _hoist.held_before(g.nodes, live)):
+                b.value = None if ref is None else g.inputs[-1 - ref]
+            _oom.raise_if_oom(e, f"the fused program of {len(g.nodes)} ops (run at this sync point)",
+                              _oom.buffer_bytes(bufs))
             ops = ", ".join(sorted({str(k.op) for k, _, _ in g.nodes}))
-            for b in bufs:  # the values are lost; leave the storages unwritten rather than pending
-                b.value = None
             raise type(e)(f"the fused program of {len(g.nodes)} ops failed at the sync point: {e} "
                           f"(ops in the program: {ops}; set_eager_mode('debug') raises at the faulty op)") from e
         if compiling:

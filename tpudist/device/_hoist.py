@@ -144,6 +144,19 @@ def _origins(live: list, overwrote: dict) -> set:
     return origins
 
 
+def held_before(nodes: list, live: list) -> list:
+    """For each live value, its storage's value before the graph, as a ref: ``-1 - k`` the graph's
+    input k, None where the storage was unwritten or made by the graph. A sync whose program failed
+    puts these back (``_fused.flush``)."""
+    _, overwrote = _values(nodes)
+    held = []
+    for v in live:
+        while v is not None and v >= 0 and v in overwrote:
+            v = overwrote[v]
+        held.append(v if v is not None and v < 0 else None)
+    return held
+
+
 def _array_free(kernel, num_scalars: int) -> bool:
     """Whether none of ``kernel``'s results reads an array (they may read its scalars)."""
     key = (kernel, num_scalars)
