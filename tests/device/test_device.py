@@ -654,10 +654,10 @@ def test_views_and_aliasing_match_cpu(dev, mode):
         assert ref.dtype == got.dtype and torch.equal(ref, got), (mode, name, ref, got)
 
 
-def test_fused_compiles_nothing_after_step_two_with_dropout(dev):
+def test_fused_compiles_nothing_after_step_one_with_dropout(dev):
     steps = 50
     programs, losses, fallback = dev(run_fused_dropout, steps)
-    assert programs[-1] == programs[1], programs  # steps 3..50 reuse the programs of steps 1-2
+    assert programs[-1] == programs[0], programs  # steps 2..50 reuse step 1's programs (AdamW's state: _hoist)
     assert all(math.isfinite(x) for x in losses)
     assert len(set(losses)) == steps
     assert fallback == {}
@@ -819,12 +819,14 @@ def test_second_process_compiles_fused_steps_from_the_persistent_cache(tmp_path)
         assert result.returncode == 0, result.stderr
         runs.append(__import__("json").loads(result.stdout.strip().splitlines()[-1]))
     cold, warm = runs
-    # 3 AdamW steps: step 1's state made by its own program, and the step's program every step runs
-    assert cold["programs"] == warm["programs"] == 2 and cold["hoisted_ops"] == warm["hoisted_ops"] > 0, cold
-    assert warm.get("programs_from_disk") == 2 and "programs_from_disk" not in cold
-    assert len(cold["xla_compiles"]) >= 2 and cold["fused_xla"]["writes"] == 2, cold
-    # the second process compiled nothing: both executables came from the program cache
+    # 3 AdamW steps: step 1's state made by one-op programs (one per parameter shape), and the step's
+    # program, which every step runs
+    programs = cold["programs"]
+    assert programs == warm["programs"] > 1 and cold["hoisted_ops"] == warm["hoisted_ops"] > 0, cold
+    assert warm.get("programs_from_disk") == programs and "programs_from_disk" not in cold
+    assert len(cold["xla_compiles"]) >= programs and cold["fused_xla"]["writes"] == programs, cold
+    # the second process compiled nothing: every executable came from the program cache
     assert warm["xla_compiles"] == [], warm["xla_compiles"]
-    assert warm["fused_xla"] == {**warm["fused_xla"], "hits": 2, "misses": 0, "writes": 0}, warm["fused_xla"]
+    assert warm["fused_xla"] == {**warm["fused_xla"], "hits": programs, "misses": 0, "writes": 0}, warm["fused_xla"]
     # No timing assertion (tests do not time things; a warm JAX cache on the machine made the
     # "cold" run fast): the warm process loading both programs from disk is the check.

@@ -9,6 +9,7 @@ programs are shared by every test of the folder, and a program another test buil
 
 from __future__ import annotations
 
+import jax
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,14 @@ import tpudist.device  # noqa: F401  (installs the "tpu" device)
 from tpudist.training.model import ModelArgs, Transformer
 
 STEPS = 5
+
+
+def _loss_rtol() -> float:
+    """Against CPU eager AdamW: float32 matmuls on a TPU run one bf16 pass by default (2.3e-3 relative
+    from float64 on a v5e; the CPU backend 2.4e-7), so the chip gets a looser bound."""
+    return 1e-5 if jax.devices()[0].platform == "cpu" else 2e-2
+
+
 VARIANTS = {  # AdamW's implementations: each makes its state its own way
     "foreach": {},
     "for_loop": {"foreach": False},
@@ -62,11 +71,13 @@ def test_adamw_loop_compiles_its_step_once(mode, variant):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **VARIANTS[variant])
     losses, programs, hoisted = _train(model, opt, "tpu")
     for step, (r, g) in enumerate(zip(ref, losses)):
-        assert abs(r - g) <= 1e-5 * abs(r), (variant, step, losses, ref)
-    # step 1: its state's init program and the step's program, which every later step runs
-    assert programs == [2] + [0] * (STEPS - 1), programs
-    state = sum(isinstance(v, torch.Tensor) and v.device.type == "tpu" for s in opt.state.values() for v in s.values())
-    assert hoisted == [state] + [0] * (STEPS - 1), (hoisted, state)
+        assert abs(r - g) <= _loss_rtol() * abs(r), (variant, step, losses, ref)
+    # step 1: the step's program, which every later step runs, and a one-op program per kind of state
+    # tensor (zeros_like of one shape; zeros(()) for device step counts) unless an earlier test made it
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.device.type == "tpu"]
+    kinds = {(tuple(v.shape), v.dtype) for v in state}
+    assert 1 <= programs[0] <= 1 + len(kinds) and programs[1:] == [0] * (STEPS - 1), (programs, kinds)
+    assert hoisted == [len(state)] + [0] * (STEPS - 1), (hoisted, len(state))
 
 
 @pytest.mark.parametrize("mode", ["fused"], indirect=True)
@@ -79,7 +90,7 @@ def test_a_loop_without_state_is_one_program(mode):
     ref, _, _ = _train(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), "cpu")
     model = model.to("tpu")
     losses, programs, hoisted = _train(model, torch.optim.SGD(model.parameters(), lr=0.1), "tpu")
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=_loss_rtol(), atol=0)
     assert programs == [1] + [0] * (STEPS - 1), programs
     assert hoisted == [0] * STEPS, hoisted
 
@@ -107,7 +118,7 @@ def test_split_graph_values_equal_cpu_and_the_rest_is_shared(mode):
     for w, g in zip(want, got):
         torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0)
     assert after["hoisted_ops"] - before.get("hoisted_ops", 0) == 2  # zeros and ones; the mask's ones stay
-    assert after["programs"] - before["programs"] == 2
+    assert after["programs"] - before["programs"] == 3  # zeros alone, ones alone, the rest
     # the same computation on storages made before it is the split graph's second program
     acc, ones = torch.zeros(2, 3, device="tpu"), torch.ones(3, device="tpu")
     torch.tpu.synchronize()

@@ -208,7 +208,8 @@ def test_chip_out_of_memory_is_torch_oom_and_the_process_keeps_working(mode):
     assert text.startswith("tpu out of memory: ") and "limit=" in text and "To fit:" in text, text
     assert torch.tpu.memory_stats()["num_ooms"] == ooms + 1
     with pytest.raises(torch.OutOfMemoryError):
-        torch.ones(20 * GiB, dtype=torch.uint8, device="tpu").sum().item()
+        ones = torch.ones(20 * GiB, dtype=torch.uint8, device="tpu")  # kept: Fused must materialise it
+        torch.tpu.synchronize()
     del big
     assert torch.equal(keep.cpu(), torch.arange(1000.0) * 2)
     assert torch.equal((torch.ones(1000, device="tpu") + 1).cpu(), torch.full((1000,), 2.0))

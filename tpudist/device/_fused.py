@@ -6,7 +6,9 @@ storage). At a sync point (``.item()``, ``.cpu()``, printing, the end of ``optim
 graph-size cap, a mode change) the graph runs as one ``jax.jit`` program whose outputs are the latest
 values of the storages still alive. Programs are cached by a structural key: the kernel ids and
 their input wiring plus which values are live. Python floats (lr, AdamW's bias corrections) and RNG
-counters are one float64 input vector, so a steady-state training step compiles nothing.
+counters are one float64 input vector, so a steady-state training step compiles nothing. The ops that
+make storages outliving the sync from constants (an optimizer's first-step state) run as a program of
+their own (``_hoist``), so a training loop's step 1 and step 2 share their program.
 """
 
 from __future__ import annotations
@@ -180,14 +182,13 @@ def _load_or_compile(g: Graph, live, sc):
 
 def _build(g: Graph, live: list, sc):
     """The program of a graph seen for the first time: compiled (or loaded) whole, or, where the graph
-    creates outliving constant storages (an optimizer's first step), as _hoist's two programs."""
+    creates outliving constant storages (an optimizer's first step), as _hoist splits it."""
     split = _hoist.split(g.nodes, live, len(g.scalars))
     if split is None:
         rt.stats["programs"] += 1
         return _load_or_compile(g, live, sc)
     rt.stats["hoisted_ops"] += len(split.init_nodes)
-    init = _cached(split.init_nodes, [], split.init_live, sc[split.init_scalars])
-    return _SplitProgram(split, init)
+    return _SplitProgram(split)
 
 
 def _cached(nodes, inputs: list, live, sc):
@@ -204,15 +205,21 @@ def _cached(nodes, inputs: list, live, sc):
 
 
 class _SplitProgram:
-    """A graph run as its init program, then its main program reading the init's results. The main
-    program is looked up at the first run, when its inputs exist: it is the next step's whole program."""
+    """A graph run as its split-off ops, each alone, then its main program reading their results.
 
-    def __init__(self, split, init):
-        self.split, self.init, self.main = split, init, None
+    A split-off op's program is keyed by its kernel: shared by every graph that makes a storage with
+    it (the ``zeros_like`` of every parameter of one shape). The programs are looked up at the first
+    run, when the main program's inputs exist: it is the next step's whole program."""
+
+    def __init__(self, split):
+        self.split, self.inits, self.main = split, None, None
 
     def __call__(self, inputs, sc):
         s = self.split
-        made = self.init([], sc[s.init_scalars])
+        if self.main is None:
+            self.inits = [_cached((node,), [], range(node[0].num_written + len(node[0].outputs)), sc[at])
+                          for node, at in zip(s.init_nodes, s.init_scalars)]
+        made = [v for program, at in zip(self.inits, s.init_scalars) for v in program([], sc[at])]
         args = s.main_args(inputs, made)
         main_sc = sc[s.main_scalars]
         if self.main is None:

@@ -1,4 +1,4 @@
-"""Fused mode: a step's new constant storages (an optimizer's state) are made by a program of their own.
+"""Fused mode: a step's new constant storages (an optimizer's state) are made by programs of their own.
 
 An optimizer creates its state on its first step: AdamW's ``exp_avg``/``exp_avg_sq`` are
 ``zeros_like(p)`` inside step 1, and step 2 reads them. Recorded as they are, step 1's program has
@@ -7,12 +7,15 @@ On a TPU v5e that compiled a 158M-parameter step twice (70 s, then 63 s; issue #
 
 So when a graph's program is first built (a cache miss, never on a hit), the ops that create a
 storage that outlives the graph with a value that reads no array (a constant: zeros, ones,
-``full``, ``arange``; random draws too, which read only the seed and counter) are split off: they
-run first as a small *init* program, and the rest of the graph reads their results as inputs,
+``full``, ``arange``; random draws too, which read only the seed and counter) are split off: each
+runs first as a program of that one op, and the rest of the graph reads their results as inputs,
 numbered as a graph recorded after them would number them. That rest is exactly step 2's program,
-so step 2 finds it compiled. Constants that do not outlive the graph (a causal mask) stay in the
-program, where XLA folds them. A graph that creates such a storage at every sync runs the two
-programs at every sync (one more dispatch); any other graph is untouched.
+so step 2 finds it compiled. A one-op program is keyed by its kernel alone: the ``zeros_like`` of
+every parameter of one shape is one program, and a constant made again at a later sync (a model
+that makes a buffer in every forward and keeps it) finds its program compiled too. Constants that do
+not outlive the graph (a causal mask) stay in the program, where XLA folds them. A graph that
+creates such a storage at every sync runs one more small program per such op at every sync; any
+other graph is untouched.
 
 Whether an op's results read an array is decided on its traced jaxpr (once per kernel), not by a
 list of op names: any factory lowering qualifies.
@@ -34,17 +37,17 @@ _ARRAY_FREE: dict = {}  # (kernel, number of scalars it reads) -> whether its re
 
 @dataclass(frozen=True, slots=True)
 class Split:
-    """A graph as two: ``init_nodes`` (no inputs) then ``main_nodes``.
+    """A graph as its split-off ops (``init_nodes``, each a one-op graph reading nothing, with its
+    scalars ``init_scalars[i]``) and the rest (``main_nodes``, scalars ``main_scalars``).
 
+    The init ops' results are numbered in order (op by op, written then fresh values): ``made``.
     ``main_inputs[i]`` is where the main program's input i comes from: ``k >= 0`` the graph's input k,
-    ``-1 - j`` the init program's output j. ``live[p]`` is where the graph's live value p comes from:
-    ``k >= 0`` the main program's output k, ``-1 - j`` the init program's output j. ``init_scalars``
-    and ``main_scalars`` index the graph's scalar vector.
+    ``-1 - j`` made value j. ``live[p]`` is where the graph's live value p comes from: ``k >= 0`` the
+    main program's output k, ``-1 - j`` made value j. Scalars index the graph's scalar vector.
     """
 
     init_nodes: tuple
-    init_live: tuple
-    init_scalars: np.ndarray
+    init_scalars: tuple
     main_nodes: tuple
     main_live: tuple
     main_scalars: np.ndarray
@@ -67,11 +70,8 @@ def split(nodes: list, live: list, num_scalars: int) -> Split | None:
                       if _array_free(nodes[producer[v]][0], bases[producer[v] + 1] - bases[producer[v]])})
     if not hoisted:
         return None
-    init_nodes, init_scalars = [], []
-    for i in hoisted:
-        kernel, refs, base = nodes[i]
-        init_nodes.append((kernel, (None,) * len(refs), len(init_scalars)))  # it reads no array
-        init_scalars.extend(range(base, bases[i + 1]))
+    init_nodes = tuple((nodes[i][0], (None,) * len(nodes[i][1]), 0) for i in hoisted)  # each reads no array
+    init_scalars = tuple(np.arange(bases[i], bases[i + 1], dtype=np.int64) for i in hoisted)
     made = {v: j for j, v in enumerate(v for i in hoisted for v in _produced(i, producer))}
     main_nodes, main_scalars, main_inputs, renumbered = _rest(nodes, bases, set(hoisted), producer, made)
     main_live, sources = [], []
@@ -83,9 +83,8 @@ def split(nodes: list, live: list, num_scalars: int) -> Split | None:
             sources.append(-1 - made[v])
     if not main_live:  # the graph only makes constants (torch.zeros(n, device="tpu") alone): one program
         return None
-    return Split(tuple(init_nodes), tuple(range(len(made))), np.asarray(init_scalars, np.int64),
-                 tuple(main_nodes), tuple(main_live), np.asarray(main_scalars, np.int64), tuple(main_inputs),
-                 tuple(sources))
+    return Split(init_nodes, init_scalars, tuple(main_nodes), tuple(main_live),
+                 np.asarray(main_scalars, np.int64), tuple(main_inputs), tuple(sources))
 
 
 def _rest(nodes: list, bases: list, hoisted: set, producer: list, made: dict) -> tuple:
