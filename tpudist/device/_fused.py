@@ -194,7 +194,7 @@ def _build(g: Graph, live: list, sc):
 def _cached(nodes, inputs: list, live, sc):
     """The program of a split-off graph: this process's if a graph recorded as this one ran before,
     else compiled or loaded; keyed as ``flush`` keys a recorded graph."""
-    key = (tuple(nodes), tuple(live), rt.device())
+    key = _key(nodes, live)
     program = _PROGRAMS.get(key)
     if program is None:
         sub = Graph()
@@ -231,6 +231,13 @@ def _first(pair):
     return pair[0]
 
 
+def _key(nodes, live) -> tuple:
+    """The in-memory key of a graph's program. Kernels hash by identity, as their ids did; the device
+    too: a program from the program cache is an executable of this device, and a new world (a new JAX
+    backend) has new devices."""
+    return tuple(nodes), tuple(live), rt.device()
+
+
 def flush() -> None:
     """Run the pending graph (a sync point); a no-op when nothing is pending."""
     global _graph
@@ -253,9 +260,7 @@ def flush() -> None:
                 bufs.append(b)
         if live:  # in value order, not first-write order: a step whose state _hoist split off keys as the next
             live, bufs = map(list, zip(*sorted(zip(live, bufs), key=_first)))
-        # kernels hash by identity, as their ids did; the device too: a program from the program
-        # cache is an executable of this device, and a new world (a new JAX backend) has new devices
-        key = (tuple(g.nodes), tuple(live), rt.device())
+        key = _key(g.nodes, live)
         rt.stats["graph_key_s"] += time.perf_counter() - t0
         sc = np.asarray(g.scalars, np.float64) if g.scalars else np.zeros((0,), np.float64)
         t1 = time.perf_counter()

@@ -130,17 +130,18 @@ def _produced(i: int, producer: list) -> range:
     return range(bisect.bisect_left(producer, i), bisect.bisect_right(producer, i))
 
 
+def _start(v: int, overwrote: dict):
+    """The ref a live value's storage started the graph from, following the in-place writes onto it
+    back: a value the graph made (a new storage's first value, ``>= 0``), a graph input (``< 0``), or
+    None (an unwritten storage)."""
+    while v is not None and v >= 0 and v in overwrote:
+        v = overwrote[v]
+    return v
+
+
 def _origins(live: list, overwrote: dict) -> set:
-    """The fresh values (a new storage's first value) whose storage is still live: each live value
-    followed back through the in-place writes onto its storage. Storages that held a value before the
-    graph (its inputs, unwritten ones) have no origin here."""
-    origins = set()
-    for v in live:
-        while v is not None and v >= 0 and v in overwrote:
-            v = overwrote[v]
-        if v is not None and v >= 0:
-            origins.add(v)
-    return origins
+    """The first values of the storages the graph made that are still live."""
+    return {r for r in (_start(v, overwrote) for v in live) if r is not None and r >= 0}
 
 
 def held_before(nodes: list, live: list) -> list:
@@ -148,12 +149,7 @@ def held_before(nodes: list, live: list) -> list:
     input k, None where the storage was unwritten or made by the graph. A sync whose program failed
     puts these back (``_fused.flush``)."""
     _, overwrote = _values(nodes)
-    held = []
-    for v in live:
-        while v is not None and v >= 0 and v in overwrote:
-            v = overwrote[v]
-        held.append(v if v is not None and v < 0 else None)
-    return held
+    return [r if r is not None and r < 0 else None for r in (_start(v, overwrote) for v in live)]
 
 
 def _array_free(kernel, num_scalars: int) -> bool:
