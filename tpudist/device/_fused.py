@@ -13,6 +13,7 @@ their own (``_hoist``), so a training loop's step 1 and step 2 share their progr
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import os
@@ -188,17 +189,25 @@ def _build(g: Graph, live: list, sc):
         rt.stats["programs"] += 1
         return _load_or_compile(g, live, sc)
     rt.stats["hoisted_ops"] += len(split.init_nodes)
-    return _SplitProgram(split)
+    return _SplitProgram(split, _like(g, (), [], ()))
 
 
-def _cached(nodes, inputs: list, live, sc):
+def _like(g: Graph, nodes, inputs: list, scalars) -> Graph:
+    """A graph of ``nodes`` reading ``inputs``, with ``g``'s other settings (whatever besides its ops
+    decides its program and key)."""
+    sub = copy.copy(g)
+    sub.nodes, sub.inputs, sub.scalars = list(nodes), inputs, list(scalars)
+    sub.input_of, sub.written, sub.num_values = {}, [], 0
+    return sub
+
+
+def _cached(template: Graph, nodes, inputs: list, live, sc):
     """The program of a split-off graph: this process's if a graph recorded as this one ran before,
     else compiled or loaded; keyed as ``flush`` keys a recorded graph."""
-    key = _key(nodes, live)
+    sub = _like(template, nodes, inputs, sc)
+    key = _key(sub, live)
     program = _PROGRAMS.get(key)
     if program is None:
-        sub = Graph()
-        sub.nodes, sub.inputs, sub.scalars = list(nodes), inputs, list(sc)
         program = _PROGRAMS[key] = _load_or_compile(sub, live, sc)
         rt.stats["programs"] += 1
     return program
@@ -209,21 +218,22 @@ class _SplitProgram:
 
     A split-off op's program is keyed by its kernel: shared by every graph that makes a storage with
     it (the ``zeros_like`` of every parameter of one shape). The programs are looked up at the first
-    run, when the main program's inputs exist: it is the next step's whole program."""
+    run, when the main program's inputs exist: it is the next step's whole program. ``template``: the
+    graph's settings, without its ops or inputs (holding those would keep step 1's arrays alive)."""
 
-    def __init__(self, split):
-        self.split, self.inits, self.main = split, None, None
+    def __init__(self, split, template: Graph):
+        self.split, self.template, self.inits, self.main = split, template, None, None
 
     def __call__(self, inputs, sc):
-        s = self.split
+        s, t = self.split, self.template
         if self.main is None:
-            self.inits = [_cached((node,), [], range(node[0].num_written + len(node[0].outputs)), sc[at])
+            self.inits = [_cached(t, (node,), [], range(node[0].num_written + len(node[0].outputs)), sc[at])
                           for node, at in zip(s.init_nodes, s.init_scalars)]
         made = [v for program, at in zip(self.inits, s.init_scalars) for v in program([], sc[at])]
         args = s.main_args(inputs, made)
         main_sc = sc[s.main_scalars]
         if self.main is None:
-            self.main = _cached(s.main_nodes, args, s.main_live, main_sc)
+            self.main = _cached(t, s.main_nodes, args, s.main_live, main_sc)
         return s.outputs(self.main(args, main_sc), made)
 
 
@@ -231,11 +241,11 @@ def _first(pair):
     return pair[0]
 
 
-def _key(nodes, live) -> tuple:
+def _key(g: Graph, live) -> tuple:
     """The in-memory key of a graph's program. Kernels hash by identity, as their ids did; the device
     too: a program from the program cache is an executable of this device, and a new world (a new JAX
     backend) has new devices."""
-    return tuple(nodes), tuple(live), rt.device()
+    return tuple(g.nodes), tuple(live), rt.device()
 
 
 def flush() -> None:
@@ -260,7 +270,7 @@ def flush() -> None:
                 bufs.append(b)
         if live:  # in value order, not first-write order: a step whose state _hoist split off keys as the next
             live, bufs = map(list, zip(*sorted(zip(live, bufs), key=_first)))
-        key = _key(g.nodes, live)
+        key = _key(g, live)
         rt.stats["graph_key_s"] += time.perf_counter() - t0
         sc = np.asarray(g.scalars, np.float64) if g.scalars else np.zeros((0,), np.float64)
         t1 = time.perf_counter()
