@@ -149,4 +149,7 @@ def test_zoo_trains_like_cpu(dev, family, way):
     bad = {k: v for k, v in r["diffs"].items() if v != 0.0}
     assert not bad, f"parameters/buffers off CPU eager after {len(r['losses'])} steps: {bad}"
     programs = r["programs"]
-    assert programs[-1] == programs[1], f"programs built after step 2: {programs}"
+    # Fused: an optimizer's state made in step 1 runs as a program of its own, so step 2 is step 1's
+    # program (tpudist.device._hoist); Strict and compiled graphs may still build kernels in step 2
+    settled = 0 if way == "fused" else 1
+    assert programs[-1] == programs[settled], f"programs built after step {settled + 1}: {programs}"

@@ -54,6 +54,13 @@ def flat_input(t: torch.Tensor, device):
     return jax.device_put(np.array(numpy_view(t.detach())[0]).reshape(-1), device)
 
 
+def raise_if_oom(e: BaseException, what: str, requested: int) -> None:
+    """XLA's out-of-memory error of a device program as ``torch.OutOfMemoryError`` (as eager ops raise it)."""
+    from tpudist.device import _oom
+
+    _oom.raise_if_oom(e, what, requested)
+
+
 def new_tensor(flat, shape, dtype: torch.dtype, host: bool = False) -> torch.Tensor:
     """A device tensor over ``flat`` (no copy); ``host``: a CPU tensor (an output on the CPU: a step
     count's new value)."""

@@ -359,6 +359,15 @@ class GraphProgram:
         _add(STATS.program_cpu_seconds, self.name, time.thread_time() - start_cpu)
         return outs
 
+    def _run_on_device(self, tensors: list) -> list:
+        try:
+            return self._exe.compiled(self._device_key(), self._consts(),
+                                      *[device_io.flat_input(t, self._device) for t in tensors])
+        except Exception as e:
+            results = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self._result_types)
+            device_io.raise_if_oom(e, f"the compiled {self.name} graph's program", results)
+            raise
+
     def __call__(self, args: list) -> list:
         import jax
 
@@ -372,8 +381,7 @@ class GraphProgram:
             if self._collectives is not None:
                 outs = self._collectives.run(self, tensors, keep)  # this rank's blocks: (1, *shape)
             elif self._on_device:
-                outs = self._exe.compiled(self._device_key(), self._consts(),
-                                          *[device_io.flat_input(t, self._device) for t in tensors])
+                outs = self._run_on_device(tensors)
             else:
                 arrays = boundary.to_jax(tensors, self._avals, self._sharding, self._device, keep)
                 outs = self._computed(self._run(arrays))

@@ -29,6 +29,7 @@ from jax._src.lax import lax as _lax
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import tpudist.ops as tops
+from tpudist.device import _oom
 from tpudist.device import _runtime as rt
 from tpudist.device import views
 from tpudist.device._debug import check_indices, check_nans
@@ -883,6 +884,7 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
         if mode == "debug":
             jax.block_until_ready(outs)
     except Exception as e:
+        _oom.raise_if_oom(e, f"{op}", _oom.kernel_bytes(kernel))
         raise type(e)(f"{op} failed on the tpu device: {e}") from e
     rt.stats["ops"] += 1
     num_written = kernel.num_written

@@ -6,11 +6,14 @@ storage). At a sync point (``.item()``, ``.cpu()``, printing, the end of ``optim
 graph-size cap, a mode change) the graph runs as one ``jax.jit`` program whose outputs are the latest
 values of the storages still alive. Programs are cached by a structural key: the kernel ids and
 their input wiring plus which values are live. Python floats (lr, AdamW's bias corrections) and RNG
-counters are one float64 input vector, so a steady-state training step compiles nothing.
+counters are one float64 input vector, so a steady-state training step compiles nothing. The ops that
+make storages outliving the sync from constants (an optimizer's first-step state) run as a program of
+their own (``_hoist``), so a training loop's step 1 and step 2 share their program.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import os
@@ -20,6 +23,7 @@ import weakref
 import jax
 import numpy as np
 
+from tpudist.device import _hoist, _oom
 from tpudist.device import _runtime as rt
 from tpudist.device._core import Lazy, result_of
 from tpudist.device._storage import _ATTR, X64
@@ -177,6 +181,73 @@ def _load_or_compile(g: Graph, live, sc):
     return compiled
 
 
+def _build(g: Graph, live: list, sc):
+    """The program of a graph seen for the first time: compiled (or loaded) whole, or, where the graph
+    creates outliving constant storages (an optimizer's first step), as _hoist splits it."""
+    split = _hoist.split(g.nodes, live, len(g.scalars))
+    if split is None:
+        rt.stats["programs"] += 1
+        return _load_or_compile(g, live, sc)
+    rt.stats["hoisted_ops"] += len(split.init_nodes)
+    return _SplitProgram(split, _like(g, (), [], ()))
+
+
+def _like(g: Graph, nodes, inputs: list, scalars) -> Graph:
+    """A graph of ``nodes`` reading ``inputs``, with ``g``'s other settings (whatever besides its ops
+    decides its program and key)."""
+    sub = copy.copy(g)
+    sub.nodes, sub.inputs, sub.scalars = list(nodes), inputs, list(scalars)
+    sub.input_of, sub.written, sub.num_values = {}, [], 0
+    return sub
+
+
+def _cached(template: Graph, nodes, inputs: list, live, sc):
+    """The program of a split-off graph: this process's if a graph recorded as this one ran before,
+    else compiled or loaded; keyed as ``flush`` keys a recorded graph."""
+    sub = _like(template, nodes, inputs, sc)
+    key = _key(sub, live)
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program = _PROGRAMS[key] = _load_or_compile(sub, live, sc)
+        rt.stats["programs"] += 1
+    return program
+
+
+class _SplitProgram:
+    """A graph run as its split-off ops, each alone, then its main program reading their results.
+
+    A split-off op's program is keyed by its kernel: shared by every graph that makes a storage with
+    it (the ``zeros_like`` of every parameter of one shape). The programs are looked up at the first
+    run, when the main program's inputs exist: it is the next step's whole program. ``template``: the
+    graph's settings, without its ops or inputs (holding those would keep step 1's arrays alive)."""
+
+    def __init__(self, split, template: Graph):
+        self.split, self.template, self.inits, self.main = split, template, None, None
+
+    def __call__(self, inputs, sc):
+        s, t = self.split, self.template
+        if self.main is None:
+            self.inits = [_cached(t, (node,), [], range(node[0].num_written + len(node[0].outputs)), sc[at])
+                          for node, at in zip(s.init_nodes, s.init_scalars)]
+        made = [v for program, at in zip(self.inits, s.init_scalars) for v in program([], sc[at])]
+        args = s.main_args(inputs, made)
+        main_sc = sc[s.main_scalars]
+        if self.main is None:
+            self.main = _cached(t, s.main_nodes, args, s.main_live, main_sc)
+        return s.outputs(self.main(args, main_sc), made)
+
+
+def _first(pair):
+    return pair[0]
+
+
+def _key(g: Graph, live) -> tuple:
+    """The in-memory key of a graph's program. Kernels hash by identity, as their ids did; the device
+    too: a program from the program cache is an executable of this device, and a new world (a new JAX
+    backend) has new devices."""
+    return tuple(g.nodes), tuple(live), rt.device()
+
+
 def flush() -> None:
     """Run the pending graph (a sync point); a no-op when nothing is pending."""
     global _graph
@@ -197,9 +268,9 @@ def flush() -> None:
                 seen.add(id(b))
                 live.append(v.index)
                 bufs.append(b)
-        # kernels hash by identity, as their ids did; the device too: a program from the program
-        # cache is an executable of this device, and a new world (a new JAX backend) has new devices
-        key = (tuple(g.nodes), tuple(live), rt.device())
+        if live:  # in value order, not first-write order: a step whose state _hoist split off keys as the next
+            live, bufs = map(list, zip(*sorted(zip(live, bufs), key=_first)))
+        key = _key(g, live)
         rt.stats["graph_key_s"] += time.perf_counter() - t0
         sc = np.asarray(g.scalars, np.float64) if g.scalars else np.zeros((0,), np.float64)
         t1 = time.perf_counter()
@@ -207,17 +278,20 @@ def flush() -> None:
         compiling = program is None
         try:
             if compiling:
-                program = _PROGRAMS[key] = _load_or_compile(g, live, sc)
-                rt.stats["programs"] += 1
+                program = _PROGRAMS[key] = _build(g, live, sc)
             prev = X64.swap_local(True)
             try:
                 outs = program(g.inputs, sc)
             finally:
                 X64.set_local(prev)
         except Exception as e:
+            # the graph did not run: storages it wrote go back to their values before it (as at the last
+            # sync), storages it made stay unwritten; nothing is left pending
+            for b, ref in zip(bufs, _hoist.held_before(g.nodes, live)):
+                b.value = None if ref is None else g.inputs[-1 - ref]
+            _oom.raise_if_oom(e, f"the fused program of {len(g.nodes)} ops (run at this sync point)",
+                              _oom.buffer_bytes(bufs))
             ops = ", ".join(sorted({str(k.op) for k, _, _ in g.nodes}))
-            for b in bufs:  # the values are lost; leave the storages unwritten rather than pending
-                b.value = None
             raise type(e)(f"the fused program of {len(g.nodes)} ops failed at the sync point: {e} "
                           f"(ops in the program: {ops}; set_eager_mode('debug') raises at the faulty op)") from e
         if compiling:

@@ -10,6 +10,7 @@ import types
 
 import torch
 
+from tpudist.device import _oom
 from tpudist.device import _runtime as rt
 
 
@@ -62,8 +63,12 @@ def synchronize(device=None) -> None:
 
     with rt.LOCK:
         _fused.flush()
-    for array in jax.live_arrays():
-        array.block_until_ready()
+    try:
+        for array in jax.live_arrays():
+            array.block_until_ready()
+    except jax.errors.JaxRuntimeError as e:  # a dispatched program ran out of memory after its call returned
+        _oom.raise_if_oom(e, "a dispatched program (seen at torch.tpu.synchronize)", None)
+        raise
 
 
 def manual_seed(seed: int) -> None:
@@ -107,10 +112,11 @@ def set_rng_state_all(states) -> None:
 
 # -- memory ------------------------------------------------------------------------------------------
 # Where JAX reports the device's allocator (TPU: ``Device.memory_stats()``), its numbers are used; XLA:CPU
-# reports nothing, so the emulated chip counts the bytes of the live jax.Arrays on its device (every tpu
-# storage is one; JAX frees a buffer when its last array dies, so nothing is cached: reserved == allocated).
-# Peaks are the highest value sampled by these functions since the last reset (JAX's own peak cannot be
-# reset), so a peak between two calls is seen only on a backend that reports its allocator.
+# reports nothing (jax 0.10.2: None), so the emulated chip counts the bytes of the live jax.Arrays on its
+# device (every tpu storage is one; JAX frees a buffer when its last array dies, so nothing is cached:
+# reserved == allocated). JAX's peak (``peak_bytes_in_use``, since the process started) cannot be reset:
+# after a reset it counts once it rises above its value at the reset (a new high since then), else the
+# peak is the highest value these functions sampled since the reset. On CPU the peak is always sampled.
 
 
 def _allocator_stats() -> dict:
@@ -132,7 +138,9 @@ def _sample() -> tuple[int, int]:
     if allocated is None:
         allocated = _live_bytes()
     reserved = stats.get("bytes_reserved", stats.get("pool_bytes", allocated)) or allocated
-    rt.peak_bytes = max(rt.peak_bytes, allocated)
+    allocator_peak = stats.get("peak_bytes_in_use", 0)
+    rose = allocator_peak > rt.allocator_peak_at_reset  # a new high since the reset: the peak since it
+    rt.peak_bytes = max(rt.peak_bytes, allocated, allocator_peak if rose else 0)
     rt.peak_reserved_bytes = max(rt.peak_reserved_bytes, reserved)
     return allocated, reserved
 
@@ -170,12 +178,21 @@ def mem_get_info(device=None) -> tuple[int, int]:
 
 def memory_allocated(device=None) -> int:
     """Bytes in use on this process's device: JAX's ``bytes_in_use`` on TPU, else the bytes of the live
-    jax.Arrays on the device (CPU emulation)."""
+    jax.Arrays on the device (CPU emulation).
+
+    Example:
+        >>> before = torch.tpu.memory_allocated()
+        >>> x = torch.ones(2**20, device="tpu")        # 4 MiB of float32
+        >>> torch.tpu.memory_allocated() - before >= 4 * 2**20
+        True
+    """
     return _sample()[0]
 
 
 def max_memory_allocated(device=None) -> int:
-    """The highest ``memory_allocated()`` sampled since the start or the last ``reset_peak_memory_stats``."""
+    """The highest ``memory_allocated()`` since the start or the last ``reset_peak_memory_stats``: on TPU
+    JAX's ``peak_bytes_in_use`` where it rose since the reset (peaks inside a program included), else the
+    highest value these functions sampled (always so on CPU emulation)."""
     _sample()
     return rt.peak_bytes
 
@@ -195,6 +212,7 @@ def max_memory_reserved(device=None) -> int:
 def reset_peak_memory_stats(device=None) -> None:
     """Restart the peaks of ``max_memory_allocated``/``max_memory_reserved`` (and memory_stats' peaks) now."""
     rt.peak_bytes = rt.peak_reserved_bytes = 0
+    rt.allocator_peak_at_reset = _allocator_stats().get("peak_bytes_in_use", 0)
     _sample()
 
 
@@ -208,8 +226,8 @@ def memory_stats(device=None) -> dict:
       and its peak (no block is allocated but inactive: the two are equal);
     - ``reserved_bytes.all.{current,peak}``: ``memory_reserved()`` and its peak;
     - ``num_alloc_retries``: 0, always: there is no caching allocator that frees its cache and retries;
-    - ``num_ooms``: 0, always: an allocation that fails raises XLA's RESOURCE_EXHAUSTED at the op and is
-      not counted;
+    - ``num_ooms``: how many ``torch.OutOfMemoryError`` were raised so far (XLA's RESOURCE_EXHAUSTED at
+      an op, a sync, a compiled program or a copy to the device);
     - ``num_device_alloc``: JAX's ``num_allocs`` where reported (TPU); absent on CPU emulation.
 
     Example:
@@ -221,7 +239,7 @@ def memory_stats(device=None) -> dict:
         "allocated_bytes.all.current": allocated, "allocated_bytes.all.peak": rt.peak_bytes,
         "active_bytes.all.current": allocated, "active_bytes.all.peak": rt.peak_bytes,
         "reserved_bytes.all.current": reserved, "reserved_bytes.all.peak": rt.peak_reserved_bytes,
-        "num_alloc_retries": 0, "num_ooms": 0,
+        "num_alloc_retries": 0, "num_ooms": rt.stats["ooms"],
     }
     allocator = _allocator_stats()
     if "num_allocs" in allocator:

@@ -31,6 +31,7 @@ _dynamic_scalars = os.environ.get(_DYNAMIC_ENV, "1") != "0"
 seed = 0
 peak_bytes = 0  # the highest memory_allocated() seen (torch.tpu.max_memory_allocated)
 peak_reserved_bytes = 0  # the highest memory_reserved() seen (torch.tpu.max_memory_reserved)
+allocator_peak_at_reset = 0  # JAX's peak_bytes_in_use at the last reset_peak_memory_stats (it never resets)
 counter = 0  # random ops drawn since the last seed: each op's key is fold_in(key(seed), counter)
 stats = Counter()
 fallback_ops = Counter()

@@ -18,7 +18,7 @@ import torch
 from jax._src import config as _jax_config
 
 import tpudist.ops as tops
-from tpudist.device import _fastpath
+from tpudist.device import _fastpath, _oom
 from tpudist.device import _runtime as rt
 from tpudist.device import views
 
@@ -84,12 +84,20 @@ def to_jax(t: torch.Tensor):
     else:
         host = t.numpy()
     dev = rt.device()
-    with jax.enable_x64(True):  # else int64/float64 are silently truncated to 32 bits
-        return jax.device_put(host.reshape(-1), dev)
+    try:
+        with jax.enable_x64(True):  # else int64/float64 are silently truncated to 32 bits
+            return jax.device_put(host.reshape(-1), dev)
+    except jax.errors.JaxRuntimeError as e:
+        _oom.raise_if_oom(e, f"copying a {tuple(t.shape)} {t.dtype} tensor to the device", host.nbytes)
+        raise
 
 
 def to_torch(array) -> torch.Tensor:
-    host = np.asarray(array)
+    try:
+        host = np.asarray(array)
+    except jax.errors.JaxRuntimeError as e:  # a program it waited for ran out of memory
+        _oom.raise_if_oom(e, "reading a tpu tensor to the host", array.nbytes)
+        raise
     if host.dtype == jnp.bfloat16:
         return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
     return torch.from_numpy(host.copy()) if not host.flags.writeable else torch.from_numpy(host)
@@ -117,8 +125,12 @@ def value_of(t: torch.Tensor):
     if reader is None:
         rt.stats["readers"] += 1
         reader = _READERS[key] = _reader(key, flat, offset)
-    with jax.enable_x64(True):
-        return reader(flat, np.int64(offset))
+    try:
+        with jax.enable_x64(True):
+            return reader(flat, np.int64(offset))
+    except jax.errors.JaxRuntimeError as e:
+        _oom.raise_if_oom(e, f"reading a {sizes} {t.dtype} view of a tpu tensor", math.prod(sizes) * t.dtype.itemsize)
+        raise
 
 
 def _reader(key: tuple, flat, offset: int):

@@ -61,8 +61,10 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> floa
     local_sq = local_sq.to("cpu", copy=True)
     dist.all_reduce(local_sq)
     total = float(local_sq.sqrt())
-    if max_norm > 0 and total > max_norm:
-        coef = max_norm / (total + 1e-6)
+    if max_norm > 0:
+        # multiplied by 1.0 (exact) when under the bound, as torch's clip_grad_norm_ does: the same ops every
+        # step, so a Fused step is one program whether or not this step clips
+        coef = min(1.0, max_norm / (total + 1e-6))
         for grad in grads:
             grad.mul_(coef)
     return total
@@ -148,6 +150,10 @@ class Trainer:
         self.task = MarkovTask(cfg.vocab_size, cfg.seq_len, seed=cfg.data_seed, branching=cfg.branching)
         self.buckets = cfg.buckets() if cfg.variable_length else None
         self.checkpointer = Checkpointer(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        if self.device.type == "tpu":
+            # Fused mode: the set-up's pending ops (FSDP2's copies into its parameters, the probe) run now
+            # as a program of their own, so step 1's graph is the step alone: the program later steps run
+            torch.tpu.synchronize()
 
     def _announce(self) -> None:
         generation = resolve_generation(self.cfg.tpu_generation)
