@@ -16,9 +16,10 @@ without collectives also the traced program as a ``jax.export`` module, which na
 rank or host that would trace the same graph reads it and only compiles. JAX's persistent
 compilation cache (``tpudist.jax_cache``) serves XLA's compile where the executable is missing.
 
-Dots and convolutions run at torch's float32 matmul precision of the call (``tpudist.matmul_precision``):
-Dynamo does not guard on it, so a GraphProgram reads it at each call and keeps one program per
-setting, the setting part of the program's key.
+Dots and convolutions run at torch's float32 matmul precision of the call (``tpudist.matmul_precision``).
+Dynamo guards on cuBLAS's ``allow_tf32`` only, which "high" and "medium" share (torch 2.13), so a
+GraphProgram reads the setting at each call and keeps one program per setting, the setting part of
+the program's key.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ import numpy as np
 import torch
 import torch.fx
 
+from tpudist import matmul_precision as precision
 from tpudist.compile import boundary, device_io
 from tpudist.compile.errors import UnsupportedGraph, missing_op_error, user_line
-from tpudist import matmul_precision as precision
 
 
 @dataclass(slots=True)
@@ -235,7 +236,7 @@ class GraphProgram:
 
     def _at_current_precision(self) -> None:
         """Points ``key`` and ``_exe`` at the program of torch's float32 matmul precision now, built
-        the first time the setting is seen (Dynamo does not recompile the graph when it changes)."""
+        the first time the setting is seen (Dynamo keeps the graph from "high" to "medium")."""
         now = precision.current()
         if now == self._precision:
             return

@@ -29,8 +29,8 @@ from jax._src.lax import lax as _lax
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import tpudist.ops as tops
-from tpudist.device import _runtime as rt
 from tpudist import matmul_precision as precision
+from tpudist.device import _runtime as rt
 from tpudist.device import views
 from tpudist.device._debug import check_indices, check_nans
 from tpudist.device._storage import (  # noqa: F401  (re-exported: the kernels module uses them from here)

@@ -25,11 +25,11 @@ import weakref
 import jax
 import numpy as np
 
+from tpudist import matmul_precision as precision
 from tpudist.device import _runtime as rt
 from tpudist.device._core import Lazy, result_of
 from tpudist.device._storage import _ATTR, X64
 from tpudist.device._storage import outputs as _outputs
-from tpudist import matmul_precision as precision
 
 _CAP_ENV = "TPUDIST_FUSED_MAX_OPS"
 assert _ATTR == "_tpudist_buffer"  # record() sets the storage's buffer under this name
