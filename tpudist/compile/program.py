@@ -15,6 +15,11 @@ later world or another host with the same layout neither traces nor compiles; an
 without collectives also the traced program as a ``jax.export`` module, which names no device: any
 rank or host that would trace the same graph reads it and only compiles. JAX's persistent
 compilation cache (``tpudist.jax_cache``) serves XLA's compile where the executable is missing.
+
+Dots and convolutions run at torch's float32 matmul precision of the call (``tpudist.matmul_precision``).
+Dynamo guards on cuBLAS's ``allow_tf32`` only, which "high" and "medium" share (torch 2.13), so a
+GraphProgram reads the setting at each call and keeps one program per setting, the setting part of
+the program's key.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import numpy as np
 import torch
 import torch.fx
 
+from tpudist import matmul_precision as precision
 from tpudist.compile import boundary, device_io
 from tpudist.compile.errors import UnsupportedGraph, missing_op_error, user_line
 
@@ -171,9 +177,11 @@ class GraphProgram:
                                  **self._xla_options}
         self._const_arrays = None
         self._result_types = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in self._output_nodes]
+        self._precision = precision.current()
         self.key = self._key()
         STATS.graphs += 1
         self._exe = self._executable()
+        self._programs = {self._precision: (self.key, self._exe)}  # torch's matmul precision -> (key, executable)
 
     # -- building ---------------------------------------------------------------------------------
     @staticmethod
@@ -223,7 +231,21 @@ class GraphProgram:
                        self._device.platform)).encode())
         h.update(_table_digest().encode())
         h.update(_lowerings_digest(self._gm).encode())
+        h.update(f"float32 matmul precision {self._precision}".encode())
         return h.hexdigest()[:32]
+
+    def _at_current_precision(self) -> None:
+        """Points ``key`` and ``_exe`` at the program of torch's float32 matmul precision now, built
+        the first time the setting is seen (Dynamo keeps the graph from "high" to "medium")."""
+        now = precision.current()
+        if now == self._precision:
+            return
+        self._precision = now
+        entry = self._programs.get(now)
+        if entry is None:
+            self.key = self._key()
+            entry = self._programs[now] = (self.key, self._executable())
+        self.key, self._exe = entry
 
     def _executable(self) -> _Executable:
         with _lock:
@@ -293,7 +315,7 @@ class GraphProgram:
             num_keys[0] = loaded.meta.get("num_keys", num_keys[0])
             return jax.jit(loaded.exported.call)
 
-        with jax.enable_x64(True):
+        with jax.enable_x64(True), precision.scope(self._precision):
             # XLA's executable, keyed by the program and its devices, from the program cache: this
             # rank of a later world or another host with the same layout neither traces nor compiles.
             # Single-device executables are kept here too, not only in JAX's cache, which on CPU
@@ -372,6 +394,7 @@ class GraphProgram:
         import jax
 
         start, start_cpu = time.perf_counter(), time.thread_time()
+        self._at_current_precision()
         tensors = [args[i] for i in self._tensor_at]
         passthrough = {o.index: args[o.index] for o in self._outputs if o.kind == "input"}
         args.clear()

@@ -29,6 +29,7 @@ from jax._src.lax import lax as _lax
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import tpudist.ops as tops
+from tpudist import matmul_precision as precision
 from tpudist.device import _oom
 from tpudist.device import _runtime as rt
 from tpudist.device import views
@@ -41,6 +42,7 @@ from tpudist.device._storage import outputs as _outputs
 
 aten = torch.ops.aten
 META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)  # noqa: SLF001
+PRECISION = precision.STATE
 _F64 = np.dtype("float64")
 
 
@@ -62,6 +64,7 @@ class Kernel:
     """
 
     present = None  # functional ops with None among torch's results: which flattened results are tensors
+    matmul = False  # whether torch's float32 matmul precision decides its program (set by ``check``)
 
     def __init__(self, op, functional, form, treedef, leaf_specs, slots, plan, n_scalars, random,
                  fresh, returns):
@@ -116,6 +119,12 @@ class Kernel:
 
     def _run_plain(self, arrays):
         return self.trace(arrays, None)  # a call without runtime scalars: nothing may index them
+
+    def check(self, arrays, sc):
+        """Traces the kernel on abstract ``arrays`` and ``sc`` (under x64), so a lowering error is
+        raised at the op, and notes whether its program holds a dot or convolution: only those ops
+        read torch's float32 matmul precision when they run (~0.2 us an op)."""
+        self.matmul = precision.uses_precision(jax.make_jaxpr(self.trace)(arrays, sc))
 
     def storages(self, arrays):
         """The flat storages the kernel reads: ``arrays``, with zeros for a storage never written."""
@@ -441,7 +450,7 @@ def _build(op, key, leaves):
             kernel.fresh = [(tuple(s.shape), tops.to_torch_dtype(s.dtype)) for s in shapes]
             if kernel.plan is None:
                 kernel.returns = ("fresh", kernel.result_def)
-        jax.eval_shape(kernel.trace, arrays, sc)
+        kernel.check(arrays, sc)
     return kernel
 
 
@@ -875,12 +884,16 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
     if mode == "debug":
         check_indices(op, args, kwargs)
     try:
+        # jax.jit keys its programs by the matmul precision too: a new setting traces the kernel again
+        prev_precision = PRECISION.swap_local(precision.jax_name(precision.current())) if kernel.matmul else None
         prev = X64.swap_local(True)  # what jax.enable_x64(True) does, without a context manager per op
         try:
             # no scalars: no float64 vector to put on the device per call (the kernel never reads one)
             outs = kernel.jitted(arrays, np.asarray(scalars, _F64)) if scalars else kernel.jitted_plain(arrays)
         finally:
             X64.set_local(prev)
+            if kernel.matmul:
+                PRECISION.set_local(prev_precision)
         if mode == "debug":
             jax.block_until_ready(outs)
     except Exception as e:
@@ -912,7 +925,7 @@ def run_concrete(op, args, kwargs):
         else:
             vals.append(x)
     a, k = tree_unflatten(vals, treedef)
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), precision.scope(precision.current()):
         result = tops.call(op, *a, **k)
     rt.stats["concrete_ops"] += 1
 

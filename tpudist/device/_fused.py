@@ -9,10 +9,15 @@ their input wiring plus which values are live. Python floats (lr, AdamW's bias c
 counters are one float64 input vector, so a steady-state training step compiles nothing. The ops that
 make storages outliving the sync from constants (an optimizer's first-step state) run as a program of
 their own (``_hoist``), so a training loop's step 1 and step 2 share their program.
+
+A graph's dots and convolutions run at one float32 matmul precision, torch's when its first such op
+was recorded (``tpudist.matmul_precision``): an op recorded at another one runs the pending graph
+first, as a sync point does, and the precision is part of the program's key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -23,6 +28,7 @@ import weakref
 import jax
 import numpy as np
 
+from tpudist import matmul_precision as precision
 from tpudist.device import _hoist, _oom
 from tpudist.device import _runtime as rt
 from tpudist.device._core import Lazy, result_of
@@ -43,6 +49,7 @@ class Graph:
         self.written: list = []    # weakrefs to buffers whose value is (or was) a Lazy of this graph
         self.num_values = 0
         self.cap = max_ops()       # read once per graph, not per op (an environment read is ~3 us)
+        self.precision = None      # torch's float32 matmul precision of its dots (None: it has none yet)
 
 
 _graph: Graph | None = None
@@ -55,7 +62,9 @@ def max_ops() -> int:
 def record(kernel, leaves, buffers, scalars):
     global _graph
     g = _graph
-    if g is None:
+    if kernel.matmul:
+        g = _graph_at(precision.current())
+    elif g is None:
         g = _graph = Graph()
     refs = []
     for b in buffers:
@@ -95,6 +104,20 @@ def record(kernel, leaves, buffers, scalars):
 _weakref = weakref.ref
 
 
+def _graph_at(matmul_precision: str) -> Graph:
+    """The graph to record a dot or convolution at ``matmul_precision`` in: the pending one unless its
+    dots run at another precision (then it runs now, and a new graph starts)."""
+    global _graph
+    g = _graph
+    if g is not None and g.precision is not None and g.precision != matmul_precision:
+        flush()
+        g = None
+    if g is None:
+        g = _graph = Graph()
+    g.precision = matmul_precision
+    return g
+
+
 def _program(nodes, live):
     def run(inputs, sc):
         env = []
@@ -130,7 +153,7 @@ def _program_key(g: Graph, live) -> tuple:
     device = rt.device()
     return (_source_fingerprint(), str(device.platform), device.device_kind, os.environ.get("XLA_FLAGS", ""),
             tuple(k.stable_id for k, _, _ in g.nodes), tuple(refs for _, refs, _ in g.nodes), tuple(live),
-            tuple((tuple(a.shape), str(a.dtype)) for a in g.inputs), len(g.scalars))
+            tuple((tuple(a.shape), str(a.dtype)) for a in g.inputs), len(g.scalars), g.precision)
 
 
 # Each op rounds its result to its dtype, as in Strict mode and on the CPU. XLA's default lets a
@@ -173,7 +196,8 @@ def _load_or_compile(g: Graph, live, sc):
         module_from_cache[0] = loaded.from_cache
         return jax.jit(loaded.exported.call)
 
-    with jax.enable_x64(True):
+    # traced (and exported) under the graph's matmul precision; a graph without dots has none to set
+    with jax.enable_x64(True), precision.scope(g.precision) if g.precision else contextlib.nullcontext():
         compiled, _, loaded = program_cache.load_or_compile("fused_xla", key, jitted, (g.inputs, sc), [rt.device()],
                                                             compiler_options=COMPILER_OPTIONS)
     if loaded or module_from_cache[0]:
@@ -244,8 +268,8 @@ def _first(pair):
 def _key(g: Graph, live) -> tuple:
     """The in-memory key of a graph's program. Kernels hash by identity, as their ids did; the device
     too: a program from the program cache is an executable of this device, and a new world (a new JAX
-    backend) has new devices."""
-    return tuple(g.nodes), tuple(live), rt.device()
+    backend) has new devices; and the float32 matmul precision its dots are traced at."""
+    return tuple(g.nodes), tuple(live), rt.device(), g.precision
 
 
 def flush() -> None:

@@ -571,7 +571,7 @@ def _build_plan(op, leaves, treedef, grown, length, capacity, specs, slots, num_
         sc = jax.ShapeDtypeStruct((num_scalars,), jnp.float64)
         arrays = [jax.ShapeDtypeStruct((n,), tops.to_jax_dtype(dt)) for n, dt in slots]
         try:
-            jax.eval_shape(kernel.trace, arrays, sc)
+            kernel.check(arrays, sc)
         except Exception:  # noqa: BLE001 - a lowering that rejects these shapes: the op runs exact
             return None
     return kernel, out_dims

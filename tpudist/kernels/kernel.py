@@ -2,8 +2,9 @@
 
 Each kernel defines two ``torch.library`` custom ops, ``ns::op`` and ``ns::op_backward``:
 
-- CPU tensors run the function through ``jax.jit`` (one jitted program per input shapes, dtypes and
-  static arguments), crossing the boundary without copies (``boundary``).
+- CPU tensors run the function through ``jax.jit`` (one jitted program per input shapes, dtypes,
+  static arguments and torch's float32 matmul precision, which its dots and convolutions without a
+  precision of their own take: ``tpudist.matmul_precision``), crossing the boundary without copies (``boundary``).
 - The fake (meta) kernel comes from ``jax.eval_shape``, so ``torch.compile`` (inductor,
   ``fullgraph=True``) keeps the op opaque and ``opcheck`` passes.
 - Autograd calls ``ns::op_backward``: ``jax.vjp`` of the function, of a pure-JAX ``reference=``, or a
@@ -299,6 +300,7 @@ class JaxKernel:
     def _runner(self, key, traced: Callable, dtypes, single: bool) -> Callable:
         import jax
 
+        from tpudist import matmul_precision as precision
         from tpudist.jax_cache import enable_persistent_cache
 
         enable_persistent_cache()  # once per process; `python -m tpudist warmup` fills it ahead of time
@@ -307,7 +309,7 @@ class JaxKernel:
         host_view, to_torch, scope = boundary.host_view, boundary.to_torch, boundary.x64_scope
 
         def run(tensors):
-            with scope(x64):
+            with scope(x64), precision.scope(precision.current()):  # jax.jit keys its programs by both
                 out = jitted(*[host_view(t) for t in tensors])
             return to_torch(out) if single else tuple(to_torch(o) for o in out)
 
@@ -369,13 +371,15 @@ class JaxKernel:
         backward if asked). With the persistent compile cache on (``tpudist.jax_cache``), a later
         process reads them from disk.
         """
+        from tpudist import matmul_precision as precision
+
         statics = self.statics(kwargs)
         outs = self.abstract_outputs(tensors, statics)
         avals = self.abstract_inputs(tensors, statics)
         dtypes = [t.dtype for t in tensors if t is not None]
         key = (tuple(None if t is None else (t.shape, t.dtype) for t in tensors), tuple(statics.values()))
         run = self._runners.get(key) or self._runner(key, self.traced(statics), dtypes, self.num_outputs == 1)
-        with boundary.x64_scope(boundary.needs_x64(dtypes)):
+        with boundary.x64_scope(boundary.needs_x64(dtypes)), precision.scope(precision.current()):
             run.jitted.lower(*avals).compile()
         if not backward:
             return 1
@@ -390,7 +394,8 @@ class JaxKernel:
                                                      [t.dtype for t in arrays if t is not None],
                                                      len(self.tensor_names) == 1)
         grad_avals = [jax.ShapeDtypeStruct(shape, to_jax_dtype(dtype)) for shape, dtype in outs]
-        with boundary.x64_scope(boundary.needs_x64([t.dtype for t in arrays if t is not None])):
+        with (boundary.x64_scope(boundary.needs_x64([t.dtype for t in arrays if t is not None])),
+              precision.scope(precision.current())):
             run.jitted.lower(*avals, *grad_avals).compile()
         return 2
 
@@ -438,24 +443,9 @@ def _schema_default(value) -> str:
 def _uses_pallas(fn: Callable, avals) -> bool:
     import jax
 
-    def walk(jaxpr) -> bool:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                return True
-            for sub in _params_jaxprs(eqn):
-                if walk(sub):
-                    return True
-        return False
+    from tpudist._jaxprs import any_equation
 
-    return walk(jax.make_jaxpr(fn)(*avals).jaxpr)
-
-
-def _params_jaxprs(eqn):
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(v, "jaxpr", v)
-            if hasattr(inner, "eqns"):
-                yield inner
+    return any_equation(jax.make_jaxpr(fn)(*avals), lambda eqn: eqn.primitive.name == "pallas_call")
 
 
 __all__ = ["JaxKernel", "custom_jax_kernel"]

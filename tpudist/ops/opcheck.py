@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from tpudist import matmul_precision
 from tpudist.ops import registry
 from tpudist.ops.dtypes import to_torch_dtype
 from tpudist.ops.interpret import JaxMode, JaxValue
@@ -63,9 +64,10 @@ def run_on_jax(fn, *args, seed: int = 0, jit: bool = True, **kwargs):
 
     With ``jit`` (the default) the whole call is traced by ``jax.jit`` into one program, as the device
     and the compile backend run it (one compile instead of one per primitive); ops that need concrete
-    values (``nonzero``, boolean-mask indexing, ``item``) fall back to running eagerly.
+    values (``nonzero``, boolean-mask indexing, ``item``) fall back to running eagerly. Dots and
+    convolutions run at torch's float32 matmul precision, as on the device (``tpudist.matmul_precision``).
     """
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), matmul_precision.scope(matmul_precision.current()):
         if jit:
             try:
                 return _run_jitted(fn, args, kwargs, seed)

@@ -31,6 +31,9 @@ def spmd(fn: Callable | None = None, *, out_placements: Sequence[Placement] | No
     DTensors with placements from the output shardings XLA chose, or ``out_placements`` for every
     output if given.
 
+    Dots and convolutions in ``fn`` without a precision of their own run at torch's float32 matmul
+    precision of the call (``tpudist.matmul_precision``), as torch ops on the device do.
+
     The program is not part of torch autograd: inputs that require grad raise ``ValueError``
     (use ``torch.no_grad()``, and ``jax.grad`` inside ``fn``). Every rank of the mesh calls the
     function with the same meaning. If ranks compiled different
@@ -51,7 +54,10 @@ def spmd(fn: Callable | None = None, *, out_placements: Sequence[Placement] | No
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return _call(fn, out_placements, on_mismatch, timeout, args, kwargs)
+        from tpudist import matmul_precision
+
+        with matmul_precision.scope(matmul_precision.current()):
+            return _call(fn, out_placements, on_mismatch, timeout, args, kwargs)
 
     return run
 
@@ -118,8 +124,12 @@ def _program_for(fn, jmesh, device_mesh, treedef, leaves, tensor_at, specs, bloc
 
     from tpudist.process_group.programs import CachedProgram
 
+    from tpudist import matmul_precision
+
     statics = tuple((i, leaves[i]) for i in range(len(leaves)) if i not in tensor_at)
-    key = (fn, jmesh, str(treedef), statics, specs, tuple(str(b.dtype) for b in blocks), out_placements)
+    # the matmul precision the program is traced at (spmd's caller set it from torch's)
+    key = (fn, jmesh, str(treedef), statics, specs, tuple(str(b.dtype) for b in blocks), out_placements,
+           matmul_precision.STATE.value)
     with _lock:
         hit = _programs.get(key)
     if hit is not None:

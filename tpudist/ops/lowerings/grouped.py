@@ -56,8 +56,10 @@ def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
         mask = _group_masks(offs, b.shape[1])
         out = jnp.einsum("gmn,gn->mn", jnp.einsum("gmk,kn->gmn", a, b, **dot), mask.astype(acc))
     elif a.ndim == 2 and b.ndim == 2:
-        mask = _group_masks(offs, a.shape[1])
-        out = jnp.einsum("mk,gk,kn->gmn", a.astype(acc), mask.astype(acc), b.astype(acc))
+        # each group's slice of the contraction, zeros elsewhere: in the operands' dtype, so a bf16 product
+        # stays one MXU pass on TPU at every float32 matmul precision (tpudist.matmul_precision)
+        masked = jnp.where(_group_masks(offs, a.shape[1])[:, None, :], a[None], jnp.zeros((), a.dtype))
+        out = jnp.einsum("gmk,kn->gmn", masked, b, **dot)
     else:
         raise ValueError(f"_grouped_mm takes 2-D or 3-D operands, got {a.ndim}-D and {b.ndim}-D")
     return out.astype(a.dtype if out_dtype is None else out_dtype)

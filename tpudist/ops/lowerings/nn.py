@@ -496,15 +496,22 @@ def _flash_blocks(q_len: int) -> tuple[int, int]:
     return (256 if q_len >= 768 else 64 if q_len >= 192 else 32), 512
 
 
+def _bf16_product(spec, a, b):
+    """``einsum(spec, a, b)`` of float32 operands holding bf16 values, as bf16 operands accumulated in
+    float32: the same numbers (torch's CPU flash kernel multiplies them so), and one MXU pass on TPU
+    at every float32 matmul precision, where float32 operands take six under "highest"."""
+    return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+
 def _flash_scores(q, k, v, attn_mask, is_causal, scale):
     """float32 ``scale * q @ k.T (+ mask)`` with -inf where a key is hidden, and float32 q, k, v (k, v
-    repeated for grouped-query attention)."""
+    repeated for grouped-query attention) of bf16 ones."""
     q, k, v = upcast(q), upcast(k), upcast(v)
     if k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = jnp.repeat(k, rep, axis=-3), jnp.repeat(v, rep, axis=-3)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = jnp.einsum("...qd,...kd->...qk", q, k) * scale
+    scores = _bf16_product("...qd,...kd->...qk", q, k) * scale
     if is_causal:
         scores = jnp.where(jnp.tril(jnp.ones(scores.shape[-2:], jnp.bool_)), scores, -jnp.inf)
     if attn_mask is not None:
@@ -533,7 +540,7 @@ def _flash_low_precision(q, k, v, attn_mask, is_causal, scale):
         p = jnp.where(live[..., None], jnp.exp(block - shift[..., None]), 0)
         rescale = jnp.where(live, jnp.exp(row_max - shift), 1)
         row_sum = jnp.sum(p, axis=-1) + rescale * row_sum
-        acc = acc * rescale[..., None] + jnp.einsum("...qk,...kd->...qd", rounded(p), v[..., n:n + kv_block, :])
+        acc = acc * rescale[..., None] + _bf16_product("...qk,...kd->...qd", rounded(p), v[..., n:n + kv_block, :])
         row_max = jnp.where(live, new_max, row_max)
     row_sum = jnp.where(row_sum == 0, 1, row_sum)  # fully masked rows give 0, as torch's kernel
     row_max = jnp.where(row_max == -jnp.inf, 0, row_max)
@@ -549,15 +556,15 @@ def _flash_backward(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, sca
     rounded = rounding_to(q.dtype)
     g = upcast(grad_out)
     p = jnp.where(scores == -jnp.inf, 0, jnp.exp(scores - upcast(logsumexp)[..., None]))
-    grad_scores = rounded(p * (jnp.einsum("...qd,...kd->...qk", g, v32) - jnp.sum(g * upcast(out), -1)[..., None]))
+    grad_scores = rounded(p * (_bf16_product("...qd,...kd->...qk", g, v32) - jnp.sum(g * upcast(out), -1)[..., None]))
     p = rounded(p)
     q_len, kv_len = scores.shape[-2:]
     q_block, kv_block = _flash_blocks(q_len)
     q_parts = range(0, q_len, q_block)
     kv_parts = range(0, kv_len, kv_block)
 
-    def matmul(a, b, spec):
-        return jnp.einsum(spec, a, b)
+    def matmul(a, b, spec):  # every operand holds bf16 values: p and dS rounded, q, k, v and dO upcast
+        return _bf16_product(spec, a, b)
 
     grad_q = []
     for m in q_parts:

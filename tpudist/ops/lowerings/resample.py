@@ -10,6 +10,7 @@ for float and bfloat16), so nearest modes pick the same pixels as the CPU kernel
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -130,7 +131,10 @@ def _apply(x, matrices, transpose):
     first = x.ndim - len(matrices)
     for k, w in enumerate(matrices):
         w = jnp.asarray(w.T if transpose else w, y.dtype)  # (in, out) for backward: contract over out
-        y = jnp.moveaxis(jnp.tensordot(y, w, axes=[[first + k], [1]]), -1, first + k)
+        # HIGHEST: torch interpolates in float32 whatever its float32 matmul precision (a matmul here only
+        # by construction); at XLA's TPU default the values would be rounded to bf16 first
+        y = jnp.moveaxis(jnp.tensordot(y, w, axes=[[first + k], [1]], precision=jax.lax.Precision.HIGHEST),
+                         -1, first + k)
     return y.astype(dtype)
 
 
