@@ -59,11 +59,6 @@ _DEFAULT_VMEM = 16 * 2**20  # Mosaic's default scoped VMEM on v5e; larger tiles 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 
-# How the forward writes the logsumexp: "transpose" (a (block_q, 128) tile transposed, its first row
-# stored lane-dense into (batch, heads, 1, seq)) or "lanes" (the (block_q, 128) tile stored as is, as
-# JAX's own TPU kernels do: 128x the bytes). The chip probe picks the one Mosaic compiles.
-LSE_STORE = "transpose"
-
 
 class AttentionShapeError(ValueError):
     """q, k, v that the flash kernels cannot take (the message says which rule and how to fix it)."""
@@ -259,11 +254,9 @@ def _forward_kernel(plan: AttentionPlan, q_ref, k_ref, v_ref, o_ref, lse_ref, m_
     def finish():
         l = l_ref[...]
         o_ref[...] = (acc_ref[...] * _lanes(1.0 / l, plan.head_dim_v)).astype(o_ref.dtype)
-        lse = m_ref[...] + jnp.log(l)
-        if LSE_STORE == "transpose":
-            lse_ref[...] = jnp.transpose(lse)[:1, :]
-        else:
-            lse_ref[...] = lse
+        # the (block_q, 128) tile of equal lanes, transposed: its first row is the logsumexp lane-dense,
+        # 1/128 of the bytes of storing the tile (as JAX's own TPU kernels do)
+        lse_ref[...] = jnp.transpose(m_ref[...] + jnp.log(l))[:1, :]
 
     when(j == 0, init)
     _run_tile(plan, i, j, step)
@@ -277,21 +270,16 @@ def _forward_call(plan: AttentionPlan, q, k, v):
     def kv_index(b, h, i, j):
         return b, _div(h, group), jnp.minimum(j, _last_k_block(plan, i)) if plan.causal else j, 0
 
-    if LSE_STORE == "transpose":
-        lse_shape, lse_spec = (plan.batch, plan.q_heads, 1, plan.padded_q), block_spec(
-            (None, None, 1, bq), lambda b, h, i, j: (b, h, 0, i))
-    else:
-        lse_shape, lse_spec = (plan.batch, plan.q_heads, plan.padded_q, LANES), block_spec(
-            (None, None, bq, LANES), lambda b, h, i, j: (b, h, i, 0))
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, plan),
         out_shape=(jax.ShapeDtypeStruct((*q.shape[:3], plan.head_dim_v), q.dtype),
-                   jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
+                   jax.ShapeDtypeStruct((plan.batch, plan.q_heads, 1, plan.padded_q), jnp.float32)),
         grid=(plan.batch, plan.q_heads, plan.num_q_blocks, plan.num_k_blocks),
         in_specs=[block_spec((None, None, bq, plan.head_dim), lambda b, h, i, j: (b, h, i, 0)),
                   block_spec((None, None, bk, plan.head_dim), kv_index),
                   block_spec((None, None, bk, plan.head_dim_v), kv_index)],
-        out_specs=(block_spec((None, None, bq, plan.head_dim_v), lambda b, h, i, j: (b, h, i, 0)), lse_spec),
+        out_specs=(block_spec((None, None, bq, plan.head_dim_v), lambda b, h, i, j: (b, h, i, 0)),
+                   block_spec((None, None, 1, bq), lambda b, h, i, j: (b, h, 0, i))),
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
                         pltpu.VMEM((bq, plan.head_dim_v), jnp.float32)],
         compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary",
@@ -299,7 +287,7 @@ def _forward_call(plan: AttentionPlan, q, k, v):
         cost_estimate=_cost(plan, q, k, v, matmuls=2),
         name="tpudist_flash_attention",
     )(q, k, v)
-    return out, (lse[:, :, 0, :] if LSE_STORE == "transpose" else lse[..., 0])
+    return out, lse[:, :, 0, :]
 
 
 # -- backward: dq ------------------------------------------------------------------------------------
@@ -388,11 +376,19 @@ def _dkv_call(plan: AttentionPlan, q, k, v, do, lse, di):
     def q_block(i, j):
         return jnp.maximum(i, _first_q_block(plan, j)) if plan.causal else i
 
+    def q_head(h, g, j):
+        if not plan.causal:
+            return h * group + g
+        # a key block after every query (causal, seq_k > seq_q) is seen by no head: keep the last head's
+        # block of the key block before, so its steps copy nothing in
+        unseen = j * plan.block_k > plan.padded_q - 1
+        return h * group + jnp.where(unseen, jnp.int32(group - 1), g)
+
     def q_index(b, h, j, g, i):
-        return b, h * group + g, q_block(i, j), 0
+        return b, q_head(h, g, j), q_block(i, j), 0
 
     def row_index(b, h, j, g, i):
-        return b, h * group + g, 0, q_block(i, j)
+        return b, q_head(h, g, j), 0, q_block(i, j)
 
     def kv_index(b, h, j, g, i):
         return b, h, j, 0

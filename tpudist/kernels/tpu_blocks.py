@@ -11,6 +11,8 @@ Pure JAX (no torch), so the kernels can be checked on a TPU machine without the 
 
 from __future__ import annotations
 
+import contextlib
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -63,4 +65,25 @@ def when(condition, body) -> None:
     pl.when(condition)(body)
 
 
-__all__ = ["LANES", "SUBLANES", "block_spec", "compiler_params", "int32_index_map", "round_up", "sublanes", "when"]
+@contextlib.contextmanager
+def pallas_interpret_unless_tpu():
+    """Inside: ``pallas_call`` traces in interpret mode unless JAX runs on TPU (compiled there).
+
+    Uses JAX's own switch (the config ``pl.pallas_call`` reads at trace time; jax 0.10). Set only
+    while a kernel traces, so the user's setting outside kernels is untouched.
+    """
+    import jax
+    from jax._src import config
+
+    if jax.default_backend() == "tpu":
+        yield
+        return
+    switch = config.pallas_tpu_interpret_mode_context_manager
+    previous = switch.swap_local(switch.value or True)
+    try:
+        yield
+    finally:
+        switch.set_local(previous)
+
+
+__all__ = ["LANES", "SUBLANES", "block_spec", "compiler_params", "int32_index_map", "pallas_interpret_unless_tpu", "round_up", "sublanes", "when"]
