@@ -318,3 +318,15 @@ def test_chip_flash_attention_float32_uneven():
 @chip_only
 def test_chip_rms_norm(monkeypatch):
     test_rms_norm_forward_backward((8192, 1024), "bfloat16", "bfloat16", True, monkeypatch)
+
+
+@chip_only
+def test_chip_sdpa_rule_sees_the_tpu(monkeypatch):
+    """The device's SDPA lowering takes the kernels on the chip: for concrete arrays and while tracing."""
+    from tpudist.kernels import tpu_sdpa
+
+    monkeypatch.delenv(tpu_sdpa.ENV, raising=False)
+    q, k = jnp.zeros((1, 2, 512, 64), jnp.bfloat16), jnp.zeros((1, 1, 512, 64), jnp.bfloat16)
+    seen = []
+    jax.jit(lambda q, k: seen.append(tpu_sdpa.why_not(q, k, k)) or q)(q, k)
+    assert [tpu_sdpa.why_not(q, k, k), *seen] == [None, None]
