@@ -27,7 +27,8 @@ float32 inputs: ``Precision.HIGHEST``). Causal tiles wholly above the diagonal a
 (``pl.when``) and no copy in (the index maps repeat the previous block index, and Pallas fetches only
 when a block index changes). Only tiles that cross the diagonal or hold padding compute a mask.
 Sequence lengths that are not a multiple of the block are padded (zeros; padded keys masked), so any
-length gives the exact result.
+length gives the exact result; head dims other than 64 or a multiple of 128 are zero-padded to one
+(:func:`kernel_head_dim`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ _NN = (((1,), (0,)), ((), ()))  # a @ b
 
 class AttentionShapeError(ValueError):
     """q, k, v that the flash kernels cannot take (the message says which rule and how to fix it)."""
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The head dim the kernels run at: 64, or a multiple of 128 (zero-padded up to it; zeros change no
+    score and add output columns that are cut off). Those are the head dims compiled and checked on a
+    v5e (64 and 128; wider ones tile the row statistics as for 512-key blocks, also checked there); a
+    chip run of head dims 8 and 32 failed without recording why, so they are padded."""
+    return 64 if head_dim <= 64 else round_up(head_dim, LANES)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,6 +111,14 @@ class AttentionPlan:
         return self.padded_k // self.block_k
 
     @property
+    def padded_head_dim(self) -> int:
+        return kernel_head_dim(self.head_dim)
+
+    @property
+    def padded_head_dim_v(self) -> int:
+        return kernel_head_dim(self.head_dim_v)
+
+    @property
     def key_padding(self) -> bool:
         return self.padded_k != self.seq_k
 
@@ -109,7 +126,7 @@ class AttentionPlan:
         """Scoped VMEM for the largest kernel (dk/dv): about six float32 tiles of scores plus the
         double-buffered blocks and the accumulators; None (Mosaic's default) when that fits it."""
         scores = 6 * self.block_q * self.block_k * 4
-        blocks = 2 * 4 * max(self.block_q, self.block_k) * max(self.head_dim, self.head_dim_v) * 4
+        blocks = 2 * 4 * max(self.block_q, self.block_k) * max(self.padded_head_dim, self.padded_head_dim_v) * 4
         need = scores + blocks
         return None if 2 * need <= _DEFAULT_VMEM else round_up(2 * need, 2**20)
 
@@ -221,12 +238,8 @@ def _dot(a, b, dims, precision):
 
 
 def _lanes(x, n: int):
-    """A (rows, 128) tile of per-row values (equal across lanes) as (rows, n), or (rows, 1) to broadcast."""
-    if n == LANES:
-        return x
-    if n % LANES == 0:
-        return jnp.tile(x, (1, n // LANES))
-    return x[:, :n] if n < LANES else x[:, :1]
+    """A (rows, 128) tile of per-row values (equal across lanes) as (rows, n); n is 64 or a multiple of 128."""
+    return x[:, :n] if n < LANES else jnp.tile(x, (1, n // LANES))
 
 
 # -- forward -----------------------------------------------------------------------------------------
@@ -249,11 +262,11 @@ def _forward_kernel(plan: AttentionPlan, q_ref, k_ref, v_ref, o_ref, lse_ref, m_
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         m_ref[...] = m_next
         pv = _dot(p.astype(v_ref.dtype), v_ref[...], _NN, plan.precision)
-        acc_ref[...] = acc_ref[...] * _lanes(alpha, plan.head_dim_v) + pv
+        acc_ref[...] = acc_ref[...] * _lanes(alpha, plan.padded_head_dim_v) + pv
 
     def finish():
         l = l_ref[...]
-        o_ref[...] = (acc_ref[...] * _lanes(1.0 / l, plan.head_dim_v)).astype(o_ref.dtype)
+        o_ref[...] = (acc_ref[...] * _lanes(1.0 / l, plan.padded_head_dim_v)).astype(o_ref.dtype)
         # the (block_q, 128) tile of equal lanes, transposed: its first row is the logsumexp lane-dense,
         # 1/128 of the bytes of storing the tile (as JAX's own TPU kernels do)
         lse_ref[...] = jnp.transpose(m_ref[...] + jnp.log(l))[:1, :]
@@ -272,16 +285,16 @@ def _forward_call(plan: AttentionPlan, q, k, v):
 
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, plan),
-        out_shape=(jax.ShapeDtypeStruct((*q.shape[:3], plan.head_dim_v), q.dtype),
+        out_shape=(jax.ShapeDtypeStruct((*q.shape[:3], plan.padded_head_dim_v), q.dtype),
                    jax.ShapeDtypeStruct((plan.batch, plan.q_heads, 1, plan.padded_q), jnp.float32)),
         grid=(plan.batch, plan.q_heads, plan.num_q_blocks, plan.num_k_blocks),
-        in_specs=[block_spec((None, None, bq, plan.head_dim), lambda b, h, i, j: (b, h, i, 0)),
-                  block_spec((None, None, bk, plan.head_dim), kv_index),
-                  block_spec((None, None, bk, plan.head_dim_v), kv_index)],
-        out_specs=(block_spec((None, None, bq, plan.head_dim_v), lambda b, h, i, j: (b, h, i, 0)),
+        in_specs=[block_spec((None, None, bq, plan.padded_head_dim), lambda b, h, i, j: (b, h, i, 0)),
+                  block_spec((None, None, bk, plan.padded_head_dim), kv_index),
+                  block_spec((None, None, bk, plan.padded_head_dim_v), kv_index)],
+        out_specs=(block_spec((None, None, bq, plan.padded_head_dim_v), lambda b, h, i, j: (b, h, i, 0)),
                    block_spec((None, None, 1, bq), lambda b, h, i, j: (b, h, 0, i))),
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
-                        pltpu.VMEM((bq, plan.head_dim_v), jnp.float32)],
+                        pltpu.VMEM((bq, plan.padded_head_dim_v), jnp.float32)],
         compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary",
                                         vmem_limit_bytes=plan.vmem_limit()),
         cost_estimate=_cost(plan, q, k, v, matmuls=2),
@@ -327,13 +340,13 @@ def _dq_call(plan: AttentionPlan, q, k, v, do, lse, di):
         functools.partial(_dq_kernel, plan),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(plan.batch, plan.q_heads, plan.num_q_blocks, plan.num_k_blocks),
-        in_specs=[block_spec((None, None, bq, plan.head_dim), lambda b, h, i, j: (b, h, i, 0)),
-                  block_spec((None, None, bk, plan.head_dim), kv_index),
-                  block_spec((None, None, bk, plan.head_dim_v), kv_index),
-                  block_spec((None, None, bq, plan.head_dim_v), lambda b, h, i, j: (b, h, i, 0)),
+        in_specs=[block_spec((None, None, bq, plan.padded_head_dim), lambda b, h, i, j: (b, h, i, 0)),
+                  block_spec((None, None, bk, plan.padded_head_dim), kv_index),
+                  block_spec((None, None, bk, plan.padded_head_dim_v), kv_index),
+                  block_spec((None, None, bq, plan.padded_head_dim_v), lambda b, h, i, j: (b, h, i, 0)),
                   row_spec, row_spec],
-        out_specs=block_spec((None, None, bq, plan.head_dim), lambda b, h, i, j: (b, h, i, 0)),
-        scratch_shapes=[pltpu.VMEM((bq, plan.head_dim), jnp.float32)],
+        out_specs=block_spec((None, None, bq, plan.padded_head_dim), lambda b, h, i, j: (b, h, i, 0)),
+        scratch_shapes=[pltpu.VMEM((bq, plan.padded_head_dim), jnp.float32)],
         compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary",
                                         vmem_limit_bytes=plan.vmem_limit()),
         cost_estimate=_cost(plan, q, k, v, matmuls=3),
@@ -398,15 +411,15 @@ def _dkv_call(plan: AttentionPlan, q, k, v, do, lse, di):
         functools.partial(_dkv_kernel, plan),
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         grid=(plan.batch, plan.kv_heads, plan.num_k_blocks, group, plan.num_q_blocks),
-        in_specs=[block_spec((None, None, bq, plan.head_dim), q_index),
-                  block_spec((None, None, bk, plan.head_dim), kv_index),
-                  block_spec((None, None, bk, plan.head_dim_v), kv_index),
-                  block_spec((None, None, bq, plan.head_dim_v), q_index),
+        in_specs=[block_spec((None, None, bq, plan.padded_head_dim), q_index),
+                  block_spec((None, None, bk, plan.padded_head_dim), kv_index),
+                  block_spec((None, None, bk, plan.padded_head_dim_v), kv_index),
+                  block_spec((None, None, bq, plan.padded_head_dim_v), q_index),
                   row_spec, row_spec],
-        out_specs=(block_spec((None, None, bk, plan.head_dim), kv_index),
-                   block_spec((None, None, bk, plan.head_dim_v), kv_index)),
-        scratch_shapes=[pltpu.VMEM((bk, plan.head_dim), jnp.float32),
-                        pltpu.VMEM((bk, plan.head_dim_v), jnp.float32)],
+        out_specs=(block_spec((None, None, bk, plan.padded_head_dim), kv_index),
+                   block_spec((None, None, bk, plan.padded_head_dim_v), kv_index)),
+        scratch_shapes=[pltpu.VMEM((bk, plan.padded_head_dim), jnp.float32),
+                        pltpu.VMEM((bk, plan.padded_head_dim_v), jnp.float32)],
         compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary", "arbitrary",
                                         vmem_limit_bytes=plan.vmem_limit()),
         cost_estimate=_cost(plan, q, k, v, matmuls=4),
@@ -418,12 +431,12 @@ def _cost(plan: AttentionPlan, q, k, v, *, matmuls: int):
     """XLA's scheduling hint: flops of the visible tiles (about half of them when causal)."""
     tiles = plan.batch * plan.q_heads * plan.padded_q * plan.padded_k * (0.5 if plan.causal else 1.0)
     nbytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in (q, k, v))
-    return pl.CostEstimate(flops=int(2 * matmuls * tiles * plan.head_dim), transcendentals=int(tiles),
+    return pl.CostEstimate(flops=int(2 * matmuls * tiles * plan.padded_head_dim), transcendentals=int(tiles),
                            bytes_accessed=int(2 * nbytes))
 
 
 # -- the functions -----------------------------------------------------------------------------------
-def _pad_seq(x, length: int, axis: int = 2):
+def _pad(x, length: int, axis: int):
     if x.shape[axis] == length:
         return x
     widths = [(0, 0)] * x.ndim
@@ -431,8 +444,19 @@ def _pad_seq(x, length: int, axis: int = 2):
     return jnp.pad(x, widths)
 
 
-def _unpad(x, length: int, axis: int = 2):
+def _unpad(x, length: int, axis: int):
     return x if x.shape[axis] == length else jax.lax.slice_in_dim(x, 0, length, axis=axis)
+
+
+def _padded(plan: AttentionPlan, q, k, v):
+    """q, k, v zero-padded to the kernels' sequence lengths and head dims."""
+    q = _pad(_pad(q, plan.padded_q, 2), plan.padded_head_dim, 3)
+    k = _pad(_pad(k, plan.padded_k, 2), plan.padded_head_dim, 3)
+    return q, k, _pad(_pad(v, plan.padded_k, 2), plan.padded_head_dim_v, 3)
+
+
+def _unpadded(x, seq: int, head_dim: int):
+    return _unpad(_unpad(x, seq, 2), head_dim, 3)
 
 
 def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
@@ -440,9 +464,8 @@ def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | Non
     """``(out, logsumexp)``: out as q's dtype ``(batch, q_heads, seq_q, head_dim_v)``, logsumexp float32
     ``(batch, q_heads, seq_q)`` (what torch's flash attention returns, and the backward takes)."""
     plan = plan_attention(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
-    out, lse = _forward_call(plan, _pad_seq(q, plan.padded_q), _pad_seq(k, plan.padded_k),
-                             _pad_seq(v, plan.padded_k))
-    return _unpad(out, plan.seq_q), _unpad(lse, plan.seq_q)
+    out, lse = _forward_call(plan, *_padded(plan, q, k, v))
+    return _unpadded(out, plan.seq_q, plan.head_dim_v), _unpad(lse, plan.seq_q, 2)
 
 
 def flash_attention_backward(q, k, v, out, logsumexp, grad_out, *, causal: bool = False,
@@ -451,12 +474,13 @@ def flash_attention_backward(q, k, v, out, logsumexp, grad_out, *, causal: bool 
     plan = plan_attention(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k, backward=True)
     di = jnp.sum(grad_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     # padded query rows: q, do, logsumexp and di of 0, so p * (dp - di) = 0 and they add nothing to dk, dv
-    rows = [_pad_seq(x.astype(jnp.float32), plan.padded_q)[:, :, None, :] for x in (logsumexp, di)]
-    q_p, do_p = _pad_seq(q, plan.padded_q), _pad_seq(grad_out.astype(q.dtype), plan.padded_q)
-    k_p, v_p = _pad_seq(k, plan.padded_k), _pad_seq(v, plan.padded_k)
+    rows = [_pad(x.astype(jnp.float32), plan.padded_q, 2)[:, :, None, :] for x in (logsumexp, di)]
+    q_p, k_p, v_p = _padded(plan, q, k, v)
+    do_p = _pad(_pad(grad_out.astype(q.dtype), plan.padded_q, 2), plan.padded_head_dim_v, 3)
     dq = _dq_call(plan, q_p, k_p, v_p, do_p, *rows)
     dk, dv = _dkv_call(plan, q_p, k_p, v_p, do_p, *rows)
-    return _unpad(dq, plan.seq_q), _unpad(dk, plan.seq_k), _unpad(dv, plan.seq_k)
+    return (_unpadded(dq, plan.seq_q, plan.head_dim), _unpadded(dk, plan.seq_k, plan.head_dim),
+            _unpadded(dv, plan.seq_k, plan.head_dim_v))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -492,4 +516,4 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
 
 __all__ = ["BACKWARD_BLOCKS", "FORWARD_BLOCKS", "KERNEL_DTYPES", "MASK_VALUE", "AttentionPlan",
            "AttentionShapeError", "flash_attention", "flash_attention_backward", "flash_attention_forward",
-           "plan_attention"]
+           "kernel_head_dim", "plan_attention"]
