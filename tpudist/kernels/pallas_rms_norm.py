@@ -22,6 +22,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from tpudist.kernels.tpu_blocks import block_spec, compiler_params, round_up, sublanes
 
@@ -59,8 +60,6 @@ def _inverse_rms(xf, eps):
 
 def rms_norm_forward(x, weight, *, eps: float = 1e-6):
     """RMSNorm of ``x`` (..., dim) times ``weight`` (dim,) as one Pallas kernel."""
-    from jax.experimental import pallas as pl  # noqa: F401  (pallas_call below)
-
     dim = x.shape[-1]
     rows = math.prod(x.shape[:-1])
     out_dtype = jnp.result_type(x.dtype, weight.dtype)
@@ -85,8 +84,6 @@ def rms_norm_forward(x, weight, *, eps: float = 1e-6):
 
 def rms_norm_backward(x, weight, grad, *, eps: float = 1e-6):
     """(dx, dweight) of :func:`rms_norm_forward` for the output gradient ``grad``, as one Pallas kernel."""
-    from jax.experimental import pallas as pl
-
     dim = x.shape[-1]
     rows = math.prod(x.shape[:-1])
     out_dtype = jnp.result_type(x.dtype, weight.dtype)

@@ -86,4 +86,5 @@ def pallas_interpret_unless_tpu():
         switch.set_local(previous)
 
 
-__all__ = ["LANES", "SUBLANES", "block_spec", "compiler_params", "int32_index_map", "pallas_interpret_unless_tpu", "round_up", "sublanes", "when"]
+__all__ = ["LANES", "SUBLANES", "block_spec", "compiler_params", "int32_index_map", "pallas_interpret_unless_tpu",
+           "round_up", "sublanes", "when"]
