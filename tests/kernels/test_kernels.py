@@ -291,10 +291,10 @@ def test_wrong_shape_names_kernel_got_and_expects():
                                                r"weight=float32\[32\], eps=1e-05; expects x of shape \(\.\.\., dim\) "
                                                r"and weight of shape \(dim,\)"):
         rms_norm(torch.randn(8, 64), torch.ones(32), EPS)
-    q = torch.randn(1, 2, 5, 4)
-    with pytest.raises(KernelInputError, match=r"tpudist::attention: got q=float32\[1, 2, 5, 4\], "
-                                               r"k=float32\[1, 1, 5, 4\].*expects .*equal batch and heads"):
-        attention(q, q[:, :1], q)
+    q, k = torch.randn(1, 4, 5, 4), torch.randn(1, 3, 5, 4)  # 4 query heads cannot share 3 kv heads
+    with pytest.raises(KernelInputError, match=r"tpudist::attention: got q=float32\[1, 4, 5, 4\], "
+                                               r"k=float32\[1, 3, 5, 4\].*expects .*heads a multiple of kv_heads"):
+        attention(q, k, k)
 
 
 def test_wrong_dtype_names_kernel_got_and_expects():

@@ -11,20 +11,28 @@
 Helion kernels (``backend="pallas"``) become such ops with ``helion_op`` (``tpudist.kernels.helion``).
 
 ``tpudist.kernels.library`` holds the shipped kernels (RMSNorm, attention; Pallas variants);
-``python -m tpudist warmup`` compiles them into the persistent compile cache.
+``python -m tpudist warmup`` compiles them into the persistent compile cache. The Pallas TPU kernels
+themselves are pure JAX (``flash_attention``, ``pallas_rms_norm``, ``tpu_blocks``): the names below are
+imported on first use, so those modules load without torch (e.g. on a bare TPU machine).
 """
 
-from tpudist.kernels.dtensor import current_mesh
-from tpudist.kernels.errors import KernelGradientError, KernelInputError, KernelShardingError
-from tpudist.kernels.kernel import JaxKernel, custom_jax_kernel
+import importlib
+
+_EXPORTS = {
+    "current_mesh": "tpudist.kernels.dtensor",
+    "KernelGradientError": "tpudist.kernels.errors",
+    "KernelInputError": "tpudist.kernels.errors",
+    "KernelShardingError": "tpudist.kernels.errors",
+    "JaxKernel": "tpudist.kernels.kernel",
+    "custom_jax_kernel": "tpudist.kernels.kernel",
+    "helion_op": "tpudist.kernels.helion",  # imports Helion (seconds): only when asked for
+}
 
 
 def __getattr__(name):
-    if name == "helion_op":  # imports Helion (seconds): only when asked for
-        from tpudist.kernels.helion import helion_op
-
-        return helion_op
-    raise AttributeError(f"module 'tpudist.kernels' has no attribute {name!r}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tpudist.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
 __all__ = ["JaxKernel", "KernelGradientError", "KernelInputError", "KernelShardingError", "current_mesh",

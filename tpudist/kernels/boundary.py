@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tpudist._hostmem import numpy_view
+from tpudist.kernels.tpu_blocks import pallas_interpret_unless_tpu  # noqa: F401  (kernels' interpret switch)
 
 _X64_DTYPES = frozenset({torch.int64, torch.float64, torch.complex128, torch.uint64})
 _NULL = contextlib.nullcontext()
@@ -77,27 +78,6 @@ def x64_scope(on: bool):
     import jax
 
     return jax.enable_x64(True)
-
-
-@contextlib.contextmanager
-def pallas_interpret_unless_tpu():
-    """Inside: ``pallas_call`` traces in interpret mode unless JAX runs on TPU (compiled there).
-
-    Uses JAX's own switch (the config ``pl.pallas_call`` reads at trace time; jax 0.10). Set only
-    while a kernel traces, so the user's setting outside kernels is untouched.
-    """
-    import jax
-    from jax._src import config
-
-    if jax.default_backend() == "tpu":
-        yield
-        return
-    switch = config.pallas_tpu_interpret_mode_context_manager
-    previous = switch.swap_local(switch.value or True)
-    try:
-        yield
-    finally:
-        switch.set_local(previous)
 
 
 def numpy_dtype_of(dtype: torch.dtype):

@@ -5,10 +5,11 @@ The functions a model calls have the semantics of ``tpudist/training/model.py``:
     rms_norm(x, weight, eps)            # RMSNorm.forward: f32 statistics, type_as(x), * weight
     attention(q, k, v, causal=True)     # F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-``rms_norm_pallas`` and ``attention_pallas`` are the same computations as Pallas kernels (row /
-query blocks; interpret mode on CPU, compiled on TPU) whose gradients are the vjp of the pure-JAX
-references (``pallas=True`` in the functions below). :func:`warmup` compiles them
-for given shapes into JAX's persistent compile cache (``python -m tpudist warmup``).
+``rms_norm_pallas`` and ``attention_pallas`` are the same computations as Pallas TPU kernels with
+Pallas backward kernels (``pallas_rms_norm``: row blocks; ``flash_attention``: a flash attention with
+causal tile skipping and grouped-query heads; interpret mode off TPU, compiled by Mosaic on TPU;
+``pallas=True`` in the functions below). :func:`warmup` compiles them for given shapes into JAX's
+persistent compile cache (``python -m tpudist warmup``).
 """
 
 from __future__ import annotations
@@ -46,33 +47,31 @@ rms_norm_kernel = custom_jax_kernel("tpudist::rms_norm", shard_dims="... _, _ ->
                                     check=_check_rms_norm)(rms_norm_reference)
 
 
+def _fits_pallas_rms_norm(x, weight) -> bool:
+    from tpudist.kernels.pallas_rms_norm import KERNEL_DTYPES
+
+    return str(x.dtype) in KERNEL_DTYPES and str(weight.dtype) in KERNEL_DTYPES
+
+
 def _pallas_rms_norm(x, weight, *, eps: float = 1e-6):
-    from jax.experimental import pallas as pl
+    """The Pallas RMSNorm (``pallas_rms_norm``); float16/float64 inputs run the reference (Mosaic has no
+    64-bit floats and v5e no f16 arithmetic), with the same result."""
+    if not _fits_pallas_rms_norm(x, weight):
+        return rms_norm_reference(x, weight, eps=eps)
+    from tpudist.kernels.pallas_rms_norm import rms_norm_forward
 
-    dim = x.shape[-1]
-    rows = math.prod(x.shape[:-1])
-    out_dtype = jnp.result_type(x.dtype, weight.dtype)
-    # TPU blocks: the row count a multiple of 8 (or the whole array), the last dim whole.
-    block = rows
-    if rows % 8 == 0:
-        block = max(b for b in range(8, min(rows, 256) + 1, 8) if rows % b == 0)
-
-    def kernel(x_ref, w_ref, o_ref):
-        xf = x_ref[...].astype(jnp.float32)
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-        o_ref[...] = (normed.astype(x.dtype) * w_ref[...]).astype(out_dtype)
-
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((rows, dim), out_dtype),
-        grid=(rows // block,),
-        in_specs=[pl.BlockSpec((block, dim), lambda i: (i, 0)), pl.BlockSpec((1, dim), lambda i: (0, 0))],
-        out_specs=pl.BlockSpec((block, dim), lambda i: (i, 0)),
-    )(x.reshape(rows, dim), weight.reshape(1, dim))
-    return out.reshape(x.shape)
+    return rms_norm_forward(x, weight, eps=eps)
 
 
-rms_norm_pallas_kernel = custom_jax_kernel("tpudist::rms_norm_pallas", reference=rms_norm_reference,
+def _pallas_rms_norm_backward(x, weight, grad, *, eps: float = 1e-6):
+    if not _fits_pallas_rms_norm(x, weight):
+        return jax.vjp(lambda x, w: rms_norm_reference(x, w, eps=eps), x, weight)[1](grad)
+    from tpudist.kernels.pallas_rms_norm import rms_norm_backward
+
+    return rms_norm_backward(x, weight, grad, eps=eps)
+
+
+rms_norm_pallas_kernel = custom_jax_kernel("tpudist::rms_norm_pallas", backward=_pallas_rms_norm_backward,
                                            shard_dims="... _, _ -> ... _",
                                            check=_check_rms_norm)(_pallas_rms_norm)
 
@@ -82,8 +81,12 @@ def attention_reference(q, k, v, *, causal: bool = True, scale: float = 0.0):
     """Scaled dot-product attention on ``(batch, heads, seq, head_dim)``; softmax in float32.
 
     ``causal`` masks like SDPA's ``is_causal`` (top-left aligned); ``scale=0`` means 1/sqrt(head_dim).
+    k and v may have fewer heads than q (grouped-query attention: query head h reads kv head
+    ``h // (q_heads // kv_heads)``, SDPA's ``enable_gqa=True``).
     """
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
+    if k.shape[1] != q.shape[1]:
+        k, v = (jnp.repeat(t, q.shape[1] // k.shape[1], axis=1) for t in (k, v))
     logits = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
     if causal:
         mask = jnp.tril(jnp.ones((q.shape[-2], k.shape[-2]), dtype=bool))
@@ -95,10 +98,11 @@ def attention_reference(q, k, v, *, causal: bool = True, scale: float = 0.0):
 def _check_attention(q, k, v, *, causal: bool = True, scale: float = 0.0):
     if not (q.ndim == k.ndim == v.ndim == 4):
         return "q, k, v of 4 dims (batch, heads, seq, head_dim)"
-    if k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3] or k.shape[3] != q.shape[3]:
-        return ("q (batch, heads, seq_q, head_dim), k (batch, heads, seq_k, head_dim), "
-                "v (batch, heads, seq_k, head_dim_v): equal batch and heads (repeat kv heads for "
-                "grouped-query attention)")
+    if (k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[3] != q.shape[3]
+            or k.shape[1] == 0 or q.shape[1] % k.shape[1]):
+        return ("q (batch, heads, seq_q, head_dim), k (batch, kv_heads, seq_k, head_dim), "
+                "v (batch, kv_heads, seq_k, head_dim_v): q's batch, and heads a multiple of kv_heads "
+                "(grouped-query attention)")
     if not (str(q.dtype) == str(k.dtype) == str(v.dtype)) or str(q.dtype) not in _FLOATS:
         return f"q, k, v of one floating-point dtype ({', '.join(_FLOATS)})"
     if q.shape[2] == 0 or k.shape[2] == 0:
@@ -111,42 +115,22 @@ attention_kernel = custom_jax_kernel("tpudist::attention", shard_dims="b h _ _, 
 
 
 def _pallas_attention(q, k, v, *, causal: bool = True, scale: float = 0.0):
-    """One grid step per (batch x head, block of queries): scores against all keys, softmax, times v."""
-    from jax.experimental import pallas as pl
+    """The Pallas flash attention (``flash_attention``); float16/float64 run the reference (Mosaic has no
+    64-bit floats and v5e no f16 matmul), with the same result."""
+    from tpudist.kernels.flash_attention import KERNEL_DTYPES, flash_attention
 
-    batch, heads, seq_q, head_dim = q.shape
-    seq_k, head_dim_v = k.shape[2], v.shape[3]
-    scale = scale or 1.0 / math.sqrt(head_dim)
-    block = seq_q  # TPU blocks: a multiple of 8 query rows (or all of them), whole key and head dims
-    if seq_q % 8 == 0:
-        block = max(b for b in range(8, min(seq_q, 128) + 1, 8) if seq_q % b == 0)
-
-    def kernel(q_ref, k_ref, v_ref, o_ref):
-        start = pl.program_id(1) * block
-        logits = jnp.dot(q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32).T) * scale
-        if causal:
-            rows = start + jax.lax.broadcasted_iota(jnp.int32, (block, seq_k), 0)
-            cols = jax.lax.broadcasted_iota(jnp.int32, (block, seq_k), 1)
-            logits = jnp.where(cols <= rows, logits, -jnp.inf)
-        weights = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-        o_ref[...] = jnp.dot(weights, v_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
-
-    sq = pl.squeezed
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((batch * heads, seq_q, head_dim_v), q.dtype),
-        grid=(batch * heads, seq_q // block),
-        in_specs=[pl.BlockSpec((sq, block, head_dim), lambda h, i: (h, i, 0)),
-                  pl.BlockSpec((sq, seq_k, head_dim), lambda h, i: (h, 0, 0)),
-                  pl.BlockSpec((sq, seq_k, head_dim_v), lambda h, i: (h, 0, 0))],
-        out_specs=pl.BlockSpec((sq, block, head_dim_v), lambda h, i: (h, i, 0)),
-    )(q.reshape(batch * heads, seq_q, head_dim), k.reshape(batch * heads, seq_k, head_dim),
-      v.reshape(batch * heads, seq_k, head_dim_v))
-    return out.reshape(batch, heads, seq_q, head_dim_v)
+    if str(q.dtype) not in KERNEL_DTYPES:
+        return attention_reference(q, k, v, causal=causal, scale=scale)
+    return flash_attention(q, k, v, causal=causal, scale=scale or None)
 
 
-attention_pallas_kernel = custom_jax_kernel("tpudist::attention_pallas", reference=attention_reference,
+def _pallas_attention_backward(q, k, v, grad, *, causal: bool = True, scale: float = 0.0):
+    """The dq and dk/dv kernels (the forward runs again for its logsumexp: a kernel's backward op gets
+    the inputs only)."""
+    return jax.vjp(lambda q, k, v: _pallas_attention(q, k, v, causal=causal, scale=scale), q, k, v)[1](grad)
+
+
+attention_pallas_kernel = custom_jax_kernel("tpudist::attention_pallas", backward=_pallas_attention_backward,
                                             shard_dims="b h _ _, b h _ _, b h _ _ -> b h _ _",
                                             check=_check_attention)(_pallas_attention)
 
@@ -170,8 +154,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               scale: float | None = None, *, pallas: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`` as one JAX kernel.
 
-    Shapes ``(batch, heads, seq, head_dim)``; k and v have q's heads (repeat them first for
-    grouped-query attention, as the model does). ``pallas=True`` runs the Pallas kernel instead.
+    Shapes ``(batch, heads, seq, head_dim)``; k and v may have fewer heads than q, a divisor of q's
+    (grouped-query attention, as SDPA's ``enable_gqa=True``). ``pallas=True`` runs the Pallas flash
+    attention instead (bf16/float32; other dtypes run the reference).
 
     Example:
         >>> q = torch.randn(2, 4, 16, 8)

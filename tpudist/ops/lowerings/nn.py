@@ -17,6 +17,7 @@ import torch
 from tpudist.ops.lowerings._util import dim_of, is_low_precision, rounding_to, to_float, upcast
 from tpudist.ops.registry import lowers, shapes_from_lowering
 from tpudist.ops.rng import next_key
+from tpudist.kernels import tpu_sdpa  # pure JAX; the Pallas kernels load only on a TPU
 
 aten = torch.ops.aten
 
@@ -598,6 +599,8 @@ def sdpa_flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, s
     # float() of a traced dropout_p raises JAX's concretization error: the device then compiles the op
     # with its floats as constants, so p == 0 draws no key (as CPU's kernel draws none)
     key = None if float(dropout_p) == 0 else next_key()
+    if key is None and (flash := tpu_sdpa.forward(q, k, v, attn_mask, is_causal, scale)) is not None:
+        return flash  # on a TPU, where the Pallas kernels measured faster (tpudist/kernels/tpu_sdpa.py)
     if key is None and q.dtype == jnp.bfloat16:
         return _flash_low_precision(q, k, v, attn_mask, is_causal, scale)
     out, lse = _attention(q, k, v, attn_mask, is_causal, scale, dropout_p, key)
@@ -612,6 +615,8 @@ def sdpa_flash_cpu_backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_cau
                                   "dropout mask; trace SDPA under the MATH backend "
                                   "(torch.nn.attention.sdpa_kernel(SDPBackend.MATH))")
 
+    if (flash := tpu_sdpa.backward(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale)) is not None:
+        return flash
     if q.dtype == jnp.bfloat16:
         return _flash_backward(grad_out, q, k, v, out, logsumexp, attn_mask, is_causal, scale)
     # float32/float16: the pullback of the forward. The closed form (the kernel's formula, as for bf16) is
