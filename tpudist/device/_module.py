@@ -176,6 +176,9 @@ def mem_get_info(device=None) -> tuple[int, int]:
     return _host_memory()
 
 
+_oom.on_memory_info(lambda: (memory_allocated(), *mem_get_info()))
+
+
 def memory_allocated(device=None) -> int:
     """Bytes in use on this process's device: JAX's ``bytes_in_use`` on TPU, else the bytes of the live
     jax.Arrays on the device (CPU emulation).

@@ -26,6 +26,16 @@ _FIX = ("free tensors you no longer need (del them: a tensor's device memory is 
         "torch.tpu.memory_allocated() and torch.tpu.memory_stats() show what is held")
 
 
+# () -> (in_use, free, limit) in bytes: set by ``_module`` (which sits above this module and calls it)
+_memory_info = None
+
+
+def on_memory_info(fn) -> None:
+    """Registers how the error reads the device's memory (``torch.tpu``'s functions, in ``_module``)."""
+    global _memory_info
+    _memory_info = fn
+
+
 def is_oom(e: BaseException) -> bool:
     return isinstance(e, jax.errors.JaxRuntimeError) and STATUS in str(e)
 
@@ -39,11 +49,8 @@ def raise_if_oom(e: BaseException, what: str, requested: int | None) -> None:
 
 
 def error(e: BaseException, what: str, requested: int | None) -> torch.OutOfMemoryError:
-    from tpudist.device import _module
-
     rt.stats["ooms"] += 1
-    in_use = _module.memory_allocated()
-    free, limit = _module.mem_get_info()
+    in_use, free, limit = _memory_info()
     wanted = "" if requested is None else f"requested={_size(requested)} (its results), "
     xla = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
     return torch.OutOfMemoryError(
