@@ -165,7 +165,10 @@ def plan_attention(q, k, v, *, causal: bool, scale: float | None = None, block_q
         head_dim_v=v.shape[3], block_q=min(block_q, round_up(seq_q, LANES)),
         block_k=min(block_k, round_up(seq_k, LANES)), causal=bool(causal),
         scale=float(1.0 / math.sqrt(head_dim) if scale is None else scale),
-        precision=F32_PRECISION if dtype == "float32" else None)
+        # explicit for bf16 too: a None precision takes jax.default_matmul_precision, which tpudist sets from
+        # torch's float32 setting when it traces ("highest" by default), and Mosaic rejects an fp32 contract
+        # precision on bf16 operands ("Bad lhs type", seen on the v5e)
+        precision=F32_PRECISION if dtype == "float32" else jax.lax.Precision.DEFAULT)
 
 
 def _describe(x) -> str:
