@@ -134,8 +134,9 @@ def test_tiny_cpu_run_writes_the_report_fields(tmp_path):
         assert mode["steady_compiles"]["xla_compiles"] == 0
         assert mode["profile"]["device"] is None and mode["profile"]["source"].startswith("host thunks")
         assert mode["profile"]["top_ops"]
-    # Fused compiles its second step again (issue #37 item 4): a program per step, counted
-    assert parsed["modes"]["fused"]["step2"]["compiles"]["device_programs"] == 1
+    # Fused builds its step's program in step 1 only (issue #37 item 4): step 2 builds none, counted
+    assert parsed["modes"]["fused"]["step1"]["compiles"]["device_programs"] >= 1
+    assert parsed["modes"]["fused"]["step2"]["compiles"]["device_programs"] == 0
     # same weights, same batch: the same first loss (bf16 rounding apart)
     assert parsed["first_loss_rel_diff_vs_twin"]["fused"] < 1e-2
     assert {t["key"] for t in parsed["targets"]} == {k for k, *_ in tpu_step.TARGETS}
