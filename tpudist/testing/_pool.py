@@ -262,15 +262,11 @@ class RankPool:
 
 
 class _HereRank:
-    """The "process" of an in-process pool: always alive; ``close`` never kills it (it is this process)."""
-
-    pid = os.getpid()
+    """The "process" of an in-process pool: always alive (``alive`` polls it); ``close`` never kills it, it is
+    this process."""
 
     def poll(self) -> None:
         return None
-
-    def wait(self, timeout: float | None = None) -> int:
-        return 0
 
 
 def _start_mode() -> str:
@@ -279,7 +275,7 @@ def _start_mode() -> str:
 
 def _set_eager_mode(mode: str | None) -> str | None:
     """Sets the tpu device's eager mode (when the device is installed and ``mode`` given); returns the old one."""
-    tpu = getattr(__import__("torch"), "tpu", None) if "torch" in sys.modules else None
+    tpu = getattr(sys.modules.get("torch"), "tpu", None)
     if mode is None or tpu is None or not hasattr(tpu, "set_eager_mode"):
         return None
     previous = tpu.get_eager_mode()
