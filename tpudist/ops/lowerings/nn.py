@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from tpudist.kernels import tpu_sdpa  # pure JAX; the Pallas kernels load only on a TPU
 from tpudist.ops.lowerings._util import dim_of, is_low_precision, rounding_to, to_float, upcast
 from tpudist.ops.registry import lowers, shapes_from_lowering
 from tpudist.ops.rng import next_key
-from tpudist.kernels import tpu_sdpa  # pure JAX; the Pallas kernels load only on a TPU
 
 aten = torch.ops.aten
 
