@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tpudist.ops import accuracy
 from tpudist.ops.dtypes import to_jax_dtype, to_torch_dtype
 from tpudist.ops.registry import lowering_for, uses_lowering_shapes
 
@@ -170,7 +171,7 @@ def call(op, *args, **kwargs):
     meta = expected_outputs(op, args, kwargs)
     lowering = lowering_for(op)
     if lowering is not None:
-        result = lowering(*args, **kwargs)
+        result = accuracy.run(lowering, args, kwargs)
     else:
         decomp = decomposition_for(op)
         active = _DECOMPOSING.get()

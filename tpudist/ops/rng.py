@@ -42,6 +42,17 @@ class KeySource:
         self.num_drawn += 1
         return sub
 
+    @property
+    def key(self):
+        """The key the next draw splits."""
+        return self._key
+
+    def advance(self, key, num_drawn: int) -> None:
+        """Continue from ``key`` after ``num_drawn`` more draws (made by a copy of this source in a
+        nested trace, whose final key came back out of it)."""
+        self._key = key
+        self.num_drawn += num_drawn
+
 
 _SOURCE: contextvars.ContextVar[KeySource | None] = contextvars.ContextVar("tpudist_ops_keys", default=None)
 
@@ -54,6 +65,11 @@ def keys(source: KeySource):
         yield source
     finally:
         _SOURCE.reset(token)
+
+
+def current_source() -> KeySource | None:
+    """The source installed with :func:`keys`, or None."""
+    return _SOURCE.get()
 
 
 def next_key():

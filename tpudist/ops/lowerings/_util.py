@@ -160,3 +160,10 @@ def concrete(x, what: str, fix: str):
             x, f"{what} has a data-dependent shape (its size depends on the data) and cannot run inside "
                f"jax.jit; {fix}")
     return np.asarray(x)
+
+
+def sigmoid(x):
+    """torch's sigmoid as ``1 / (1 + exp(-x))``: its ``exp`` takes float32 accuracy=HIGHEST (see
+    tpudist.ops.accuracy); XLA's ``logistic`` on TPU was 82 ulp off with or without it (v5e)."""
+    return jnp.reciprocal(1 + jnp.exp(-x))
+

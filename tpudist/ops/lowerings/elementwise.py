@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from tpudist.ops.lowerings._util import (is_array, is_float, is_integral, is_low_precision, is_number, is_one,
-                                         promote, result_type, to_float, upcast)
+                                         promote, result_type, sigmoid, to_float, upcast)
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten
@@ -32,7 +32,7 @@ _FLOAT_UNARY = {
     aten.sinh.default: jnp.sinh, aten.cosh.default: jnp.cosh, aten.tanh.default: jnp.tanh,
     aten.asinh.default: jnp.arcsinh, aten.acosh.default: jnp.arccosh, aten.atanh.default: jnp.arctanh,
     aten.erf.default: jsp.erf, aten.erfc.default: jsp.erfc, aten.erfinv.default: jsp.erfinv,
-    aten.sigmoid.default: jax.nn.sigmoid, aten.reciprocal.default: jnp.reciprocal,
+    aten.sigmoid.default: sigmoid, aten.reciprocal.default: jnp.reciprocal,
     aten.lgamma.default: jsp.gammaln,
     aten.i0.default: jnp.i0, aten.sinc.default: jnp.sinc, aten.deg2rad.default: jnp.deg2rad,
     aten.rad2deg.default: jnp.rad2deg,

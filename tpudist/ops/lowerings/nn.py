@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import torch
 
 from tpudist.kernels import tpu_sdpa  # pure JAX; the Pallas kernels load only on a TPU
-from tpudist.ops.lowerings._util import dim_of, is_low_precision, rounding_to, to_float, upcast
+from tpudist.ops.lowerings._util import dim_of, is_low_precision, rounding_to, sigmoid, to_float, upcast
 from tpudist.ops.registry import lowers, shapes_from_lowering
 from tpudist.ops.rng import next_key
 
@@ -41,7 +41,7 @@ def gelu(x, *, approximate="none"):
 @lowers(aten.silu.default)
 def silu(x):
     x = _f(x)
-    return x * jax.nn.sigmoid(x)
+    return x * sigmoid(x)
 
 
 @lowers(aten.mish.default)
@@ -86,7 +86,7 @@ def hardswish(x):
 @lowers(aten.glu.default)
 def glu(x, dim=-1):
     a, b = jnp.split(x, 2, axis=dim_of(dim, x.ndim))
-    return upcast(a) * jax.nn.sigmoid(upcast(b))
+    return upcast(a) * sigmoid(upcast(b))
 
 
 @lowers(aten.threshold.default)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from tpudist.ops.lowerings._util import upcast
+from tpudist.ops.lowerings._util import sigmoid, upcast
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten
@@ -38,7 +38,7 @@ def _bias_grad(grad, has_bias):
 @lowers(aten._thnn_fused_lstm_cell.default)
 def fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
     (i1, f1, g1, o1), (i2, f2, g2, o2) = _gates(input_gates, hidden_gates, input_bias, hidden_bias, 4)
-    ig, fg, cg, og = jax.nn.sigmoid(i1 + i2), jax.nn.sigmoid(f1 + f2), jnp.tanh(g1 + g2), jax.nn.sigmoid(o1 + o2)
+    ig, fg, cg, og = sigmoid(i1 + i2), sigmoid(f1 + f2), jnp.tanh(g1 + g2), sigmoid(o1 + o2)
     cy = fg * upcast(cx) + ig * cg
     hy = og * jnp.tanh(cy)
     workspace = jnp.concatenate([ig, fg, cg, og], axis=-1)  # the activated gates, CUDA's layout
@@ -65,7 +65,7 @@ def fused_lstm_cell_backward_impl(grad_hy, grad_cy, cx, cy, workspace, has_bias)
 def fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
     (ir, ii, in_), (hr, hi, hn) = _gates(input_gates, hidden_gates, input_bias, hidden_bias, 3)
     hx = upcast(hx)
-    rg, ig = jax.nn.sigmoid(ir + hr), jax.nn.sigmoid(ii + hi)
+    rg, ig = sigmoid(ir + hr), sigmoid(ii + hi)
     ng = jnp.tanh(in_ + rg * hn)
     hy = ng + ig * (hx - ng)
     workspace = jnp.concatenate([rg, ig, ng, hx, hn], axis=-1)  # CUDA's layout (hn with its bias)
