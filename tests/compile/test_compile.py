@@ -147,6 +147,28 @@ def test_boundary_does_not_copy_aligned_inputs():
     t.untyped_storage().resize_(0)  # what FSDP2 does to freed parameters: Tensor.numpy() would forbid it
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_results_on_an_accelerator_come_back_as_host_copies(monkeypatch, dtype):
+    """A CPU tensor's graph runs on the TPU chip where there is one: its results live in the chip's
+    memory, whose addresses the host cannot read (read as host memory they were NaN on a v5e), so
+    they come back as host copies, remembered for no later program. Here JAX's CPU arrays play the
+    chip's (the test cannot fail on the chip's side without one)."""
+    import jax
+
+    from tpudist.compile import boundary
+
+    monkeypatch.setattr(boundary, "_on_host", lambda array: False)
+    want = (torch.arange(6 * 5) - 7).reshape(6, 5).to(dtype)
+    with jax.enable_x64(True):  # as the programs run: an int64 result is an int64 array
+        arrays = [jax.numpy.asarray(want.float().numpy()).astype(str(dtype).removeprefix("torch.")),
+                  jax.numpy.zeros((0, 3))]
+    got, empty = boundary.results(arrays, [((6, 5), dtype), ((0, 3), torch.float32)], device_id=0)
+    assert got.dtype == dtype and torch.equal(got, want) and empty.shape == (0, 3)
+    assert got.data_ptr() != arrays[0].unsafe_buffer_pointer()  # a copy, not the array's buffer
+    assert not any(k[0] == got.data_ptr() for k in boundary._RESULTS)  # noqa: SLF001
+    torch.testing.assert_close(boundary.to_torch(arrays[0], dtype), want)
+
+
 def _grads_equal_eager_then_clear(model, eager, tokens):
     """The compiled step's gradients (already in ``model``) equal an eager step's; both cleared."""
     _loss(eager, tokens, tokens).backward()

@@ -67,8 +67,9 @@ _RAW = {dtype: (np.dtype(raw).str, None if torch.from_numpy(np.empty(0, raw)).dt
 
 
 def _over_buffer(array: Any, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor | None, int | None]:
-    """A tensor over a ready single-device array's buffer and the buffer's address (no copy; the
-    tensor holds the array alive), or (None, None) where the address is not available."""
+    """A tensor over a ready single-device CPU array's buffer and the buffer's address (no copy; the
+    tensor holds the array alive), or (None, None) where the address is not available. Only for an
+    array on the host: an accelerator's array has an address in the chip's memory."""
     try:
         address = array.unsafe_buffer_pointer()
     except (AttributeError, RuntimeError, ValueError):
@@ -78,10 +79,17 @@ def _over_buffer(array: Any, shape: tuple[int, ...], dtype: torch.dtype) -> tupl
     return (t if view_as is None else t.view(view_as)), address
 
 
+def _on_host(array: Any) -> bool:
+    """Whether ``array`` lives in host memory (JAX's CPU backend), not on an accelerator."""
+    return all(d.platform == "cpu" for d in array.devices())
+
+
 def results(arrays: list[Any], types: list[tuple[tuple[int, ...], torch.dtype]], device_id: int) -> list[torch.Tensor]:
     """:func:`to_torch` of a program's ready results, each one's (shape, dtype) known in advance
     (~6 us a result instead of 15-25 us: no reading them off the array); each array is remembered
     for :func:`to_jax`."""
+    if arrays and not _on_host(arrays[0]):  # a CPU tensor's graph run on the chip: results come back
+        return [to_torch(array, dtype) for array, (_, dtype) in zip(arrays, types)]
     out = []
     for array, (shape, dtype) in zip(arrays, types):
         t, address = (None, None) if 0 in shape else _over_buffer(array, shape, dtype)
@@ -94,7 +102,8 @@ def results(arrays: list[Any], types: list[tuple[tuple[int, ...], torch.dtype]],
 
 
 def to_torch(array: Any, dtype: torch.dtype) -> torch.Tensor:
-    """A torch tensor over a ready single-device ``jax.Array``'s buffer (no copy).
+    """A torch tensor over a ready single-device ``jax.Array``'s buffer (no copy), or, for an array on
+    an accelerator (a CPU tensor's graph run on the TPU chip), a copy of it on the host.
 
     The buffer's address becomes a numpy view that holds the array alive, then a tensor: ~4 us,
     where DLPack's hand-over took 20-270 us per result (measured, the first after a program the
@@ -102,16 +111,23 @@ def to_torch(array: Any, dtype: torch.dtype) -> torch.Tensor:
     shape = tuple(array.shape)
     if 0 in shape:
         return torch.empty(shape, dtype=dtype)
+    if not _on_host(array):
+        return _copied(array, dtype)
     t, _ = _over_buffer(array, shape, dtype)
     if t is not None:
         return t
     try:
         return torch.from_dlpack(array)
     except (BufferError, RuntimeError, TypeError):
-        # e.g. a dtype DLPack cannot name on this version: one copy through numpy
-        host = np.asarray(array)
-        raw_dtype = _NUMPY[dtype][0]
-        return torch.from_numpy(host.view(raw_dtype).copy()).view(dtype)
+        # e.g. a dtype DLPack cannot name on this version
+        return _copied(array, dtype)
+
+
+def _copied(array: Any, dtype: torch.dtype) -> torch.Tensor:
+    """One copy of ``array`` through numpy (bfloat16 through its raw bits)."""
+    host = np.asarray(array)
+    raw_dtype = _NUMPY[dtype][0]
+    return torch.from_numpy(host.view(raw_dtype).copy()).view(dtype)
 
 
 def drop_leading(t: torch.Tensor, n: int = 1) -> torch.Tensor:
