@@ -37,6 +37,13 @@ def pytest_configure(config):
         spec.loader.exec_module(module)
         return module
 
+    if os.environ.get("TPUDIST_CHIP_SUITE") == "1":  # scripts/chip_suite.sh
+        import jax
+
+        if jax.devices()[0].platform == "tpu":
+            # This process holds the chip, which takes one process at a time: the Python processes tests
+            # start run JAX on the CPU, as in CI (JAX read this process's JAX_PLATFORMS at its import).
+            os.environ["JAX_PLATFORMS"] = "cpu"
     hooks, fastpath = by_file("_hooks.py"), by_file("_fastpath.py")
     if hooks.enabled():
         try:
