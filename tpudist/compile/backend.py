@@ -24,7 +24,7 @@ import torch
 import torch.fx
 
 from tpudist.compile.dynamic import DEFAULT_BUCKETS, DynamicGraph, is_dynamic
-from tpudist.compile.decompositions import corrected_decompositions, decompositions, math_sdpa
+from tpudist.compile.decompositions import attention_as_eager, corrected_decompositions, decompositions
 from tpudist.compile.errors import MissingOpError, UnsupportedGraph, dynamo_sources, user_line
 from tpudist.device.buckets import Buckets
 
@@ -232,9 +232,9 @@ def _aot(gm: torch.fx.GraphModule, example_inputs: list, opts: Options):
         bw_compiler=_compiler("backward", opts),
         inference_compiler=_compiler("inference", opts),
         partition_fn=_partition,
-        decompositions=decompositions(),
+        decompositions=decompositions(fused_attention=True),
     )
-    with math_sdpa(), corrected_decompositions():  # the joint graph (forward and backward) is traced here
+    with attention_as_eager(gm), corrected_decompositions():  # the joint graph (forward and backward) is traced here
         return compiler(gm, example_inputs)
 
 

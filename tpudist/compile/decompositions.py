@@ -1,5 +1,5 @@
 """The Core ATen graphs the backend compiles: torch's decompositions, corrected where they give wrong
-values, with attention traced through its math backend.
+values; attention as eager torch runs it (the fused op), or through its math backend.
 
 ``backend`` traces with them through AOTAutograd, and the padding analysis
 (``_pad_analysis.trace_aten``) traces the same graph symbolically with them.
@@ -9,17 +9,49 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import torch
+import torch.fx
+
+
+_FUSED_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 @contextlib.contextmanager
 def math_sdpa():
-    # Core ATen decompositions leave the CPU flash-attention backward in the graph (FACTS.md); the
-    # math backend decomposes attention into matmuls and softmax, which the table lowers.
+    # the math backend decomposes attention into matmuls and softmax, which the table lowers
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def _sdpa_dropout(gm: torch.fx.GraphModule) -> bool:
+    """Whether an attention call of ``gm`` may drop out (a dropout_p that is not the constant 0)."""
+    sdpa = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)  # noqa: SLF001
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in sdpa:
+            p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+            if not isinstance(p, (int, float)) or p != 0:
+                return True
+    return False
+
+
+@contextlib.contextmanager
+def attention_as_eager(gm: torch.fx.GraphModule):
+    """Attention in the graphs traced inside as eager torch runs it: the fused attention op and its
+    backward (CPU tensors take torch's CPU flash kernel, tpu tensors the device's fused op), lowered
+    as the device lowers them (on a TPU chip the Pallas flash kernels where they fit); the math
+    decomposition upcast bf16 attention to float32, six-pass products on the chip. A graph whose
+    attention drops out goes through the math backend (the fused backward cannot replay a dropout
+    mask). Pair it with ``decompositions(fused_attention=True)``."""
+    if _sdpa_dropout(gm):
+        with math_sdpa():
+            yield
+        return
+    attention = sys.modules.get("tpudist.device._attention")  # loaded with the device, if at all
+    with attention.fused_in_compile_traces() if attention is not None else contextlib.nullcontext():
         yield
 
 
@@ -76,7 +108,12 @@ def corrected_decompositions():
 
 
 @functools.cache
-def decompositions() -> dict:
+def decompositions(fused_attention: bool = False) -> dict:
+    """Core ATen's decompositions with the corrections; ``fused_attention`` keeps the fused attention
+    op whole (the table lowers it and its backward)."""
     from torch._decomp import core_aten_decompositions
 
-    return {**core_aten_decompositions(), **_corrections()}
+    table = {**core_aten_decompositions(), **_corrections()}
+    if fused_attention:
+        table.pop(_FUSED_ATTENTION, None)
+    return table

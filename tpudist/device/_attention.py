@@ -19,6 +19,9 @@ MATH path). Otherwise torch's MATH decomposition runs, as before. A backward wit
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 aten = torch.ops.aten
@@ -27,6 +30,19 @@ _BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _MATH = aten._scaled_dot_product_attention_math.default
 _LIBS: list = []
 STATS = {"fused": 0, "math": 0}  # SDPA calls per path in this process (tests read it)
+# Inside torch.compile's trace of a graph (tpudist.compile), tensors are FakeTensors under AOTAutograd's
+# dispatch modes: the fused op is recorded all the same, and the compiled program lowers it as eager does
+_TRACING_FOR_COMPILE = contextvars.ContextVar("tpudist_sdpa_tracing_for_compile", default=False)
+
+
+@contextlib.contextmanager
+def fused_in_compile_traces():
+    """SDPA on tpu tensors records the fused op (and its backward) in the graphs traced inside."""
+    token = _TRACING_FOR_COMPILE.set(True)
+    try:
+        yield
+    finally:
+        _TRACING_FOR_COMPILE.reset(token)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -59,15 +75,16 @@ def _math_backward(ctx, grad_out, q, k, v, mask):
 def _fused_applies(q, k, v, mask, dropout_p, enable_gqa) -> bool:
     if dropout_p != 0.0 or not torch._C._get_overrideable_sdp_enabled():  # noqa: SLF001
         return False
-    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+    tracing = _TRACING_FOR_COMPILE.get()
+    if not tracing and (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor):
         return False
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[-1] != q.shape[-1]:
         return False
     if k.shape[-3] != q.shape[-3] and not (enable_gqa and q.shape[-3] % k.shape[-3] == 0):
         return False  # heads that differ without enable_gqa: the MATH path raises torch's own error
-    if mask is not None and (type(mask) is not torch.Tensor or mask.requires_grad):
+    if mask is not None and ((not tracing and type(mask) is not torch.Tensor) or mask.requires_grad):
         return False
-    if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():  # noqa: SLF001
+    if not tracing and (torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()):  # noqa: SLF001
         return False
     return True
 
