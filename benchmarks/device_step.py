@@ -281,11 +281,11 @@ def where_fused_time_goes(model, opt, batches, top: int = 8) -> None:
     import gc
     from collections import Counter
 
-    from tpudist.device import _core, _fused
+    from tpudist.device import _core, _execute, _fused, _storage
 
     total, calls = Counter(), Counter()
     clock = time.perf_counter
-    execute, flush, to_cpu = _core.execute, _fused.flush, _core.to_cpu
+    execute, flush, to_cpu = _execute.execute, _fused.flush, _core.to_cpu
 
     def timed_execute(op, args, kwargs):
         t0 = clock()
@@ -317,7 +317,9 @@ def where_fused_time_goes(model, opt, batches, top: int = 8) -> None:
         else:
             gc_time["total"] += clock() - gc_time["start"]
 
-    _core.execute, _fused.flush, _core.to_cpu = timed_execute, timed_flush, timed_to_cpu
+    # a sync reached from the optimizer's hook (_fused.flush) or from a read or an op (the hook _storage runs)
+    _execute.execute, _fused.flush, _core.to_cpu = timed_execute, timed_flush, timed_to_cpu
+    _storage.on_flush(timed_flush)
     gc.callbacks.append(on_gc)
     try:
         t0 = clock()
@@ -325,7 +327,8 @@ def where_fused_time_goes(model, opt, batches, top: int = 8) -> None:
             _step(model, opt, x, y, "tpu", "fused")
         step = (clock() - t0) / len(batches)
     finally:
-        _core.execute, _fused.flush, _core.to_cpu = execute, flush, to_cpu
+        _execute.execute, _fused.flush, _core.to_cpu = execute, flush, to_cpu
+        _storage.on_flush(flush)
         gc.callbacks.remove(on_gc)
     n = len(batches)
     sync = total.pop("<sync: program run>", 0.0) / n

@@ -79,7 +79,7 @@ def _workloads():
 
 def _compare_every_call():
     """Runs the workloads with every signature call checked; (calls, first differences, fast in use)."""
-    from tpudist.device import _core
+    from tpudist.device import _core, _execute
 
     if _core._fast is None:
         return 0, [], False
@@ -95,7 +95,8 @@ def _compare_every_call():
             diffs.append(f"{op}: {diff}")
         return want
 
-    _core._signature = both
+    # every op's signature (_execute) and kernel_for's (growing appends, retries: _core)
+    _core._signature = _execute._signature = both
     try:
         _workloads()
         # static floats (ops whose floats are constants), kwargs with lists, devices, an unhashable leaf
@@ -136,7 +137,7 @@ def _compare_every_call():
             if errors[0] != errors[1] or errors[0] is None:
                 diffs.append(f"errors differ for {args[1].device}: {errors}")
     finally:
-        _core._signature = fast
+        _core._signature = _execute._signature = fast
     return checked[0], diffs, True
 
 

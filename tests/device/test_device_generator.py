@@ -171,7 +171,7 @@ def test_a_generator_of_another_device_raises_as_on_cuda():
 def test_an_op_run_by_the_cpu_fallback_refuses_the_generator(monkeypatch):
     """The CPU fallback runs an op on CPU's stream: with a tpu generator that raises, never CPU's numbers."""
     import tpudist.ops as tops
-    from tpudist.device import _core
+    from tpudist.device import _execute
 
     def no_lowering(op, *_args):
         raise tops.UnsupportedOp(op, " (this test: as if it had no lowering)")
@@ -181,8 +181,8 @@ def test_an_op_run_by_the_cpu_fallback_refuses_the_generator(monkeypatch):
         x = torch.zeros(13, device="tpu")
         with monkeypatch.context() as patch, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the fallback's own warning, once per op and process
-            patch.setattr(_core, "_KERNELS", {})
-            patch.setattr(_core, "_resolve", no_lowering)
+            patch.setattr(_execute, "_KERNELS", {})
+            patch.setattr(_execute, "_resolve", no_lowering)
             assert x.clone().normal_().device.type == "tpu"  # the fallback itself works
             with pytest.raises(NotImplementedError, match="ran without drawing from the generator"):
                 x.clone().normal_(generator=_tpu(1))

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-import hashlib
 import os
 import time
 import weakref
@@ -29,10 +27,10 @@ import jax
 import numpy as np
 
 from tpudist import matmul_precision as precision
-from tpudist.device import _hoist, _oom
+from tpudist.device import _hoist, _oom, _storage
 from tpudist.device import _runtime as rt
-from tpudist.device._core import Lazy, result_of
-from tpudist.device._storage import _ATTR, X64
+from tpudist.device._core import result_of
+from tpudist.device._storage import _ATTR, X64, Lazy, _source_fingerprint
 from tpudist.device._storage import outputs as _outputs
 
 _CAP_ENV = "TPUDIST_FUSED_MAX_OPS"
@@ -130,19 +128,6 @@ def _program(nodes, live):
         return [env[i] for i in live]
 
     return jax.jit(run)
-
-
-@functools.cache
-def _source_fingerprint() -> str:
-    """A hash of tpudist.ops and tpudist.device sources: editing a lowering invalidates disk programs."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for path in sorted([*root.joinpath("ops").rglob("*.py"), *root.joinpath("device").rglob("*.py")]):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 def _program_key(g: Graph, live) -> tuple:
@@ -330,3 +315,6 @@ def flush() -> None:
 
 def pending_ops() -> int:
     return 0 if _graph is None else len(_graph.nodes)
+
+
+_storage.on_flush(flush)  # a storage read (value_of) or an op on a pending value runs the graph through it

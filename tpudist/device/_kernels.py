@@ -23,6 +23,7 @@ import torch
 
 import tpudist.ops as tops
 from tpudist.device import _core as core
+from tpudist.device import _execute
 from tpudist.device import _runtime as rt
 from tpudist.device import views
 from tpudist.device._storage import has_buffer
@@ -48,7 +49,7 @@ def view_kernel(op, *args, **kwargs):
 def execute_kernel(op, *args, **kwargs):
     """The kernel of an op known to be neither special nor a view (every lowered aten op)."""
     with rt.LOCK:
-        return core.execute(op, args, kwargs)
+        return _execute.execute(op, args, kwargs)
 
 
 def generic_kernel(op, *args, **kwargs):
@@ -63,7 +64,7 @@ def generic_kernel(op, *args, **kwargs):
     if view:
         return view_kernel(op, *args, **kwargs)
     with rt.LOCK:
-        return core.execute(op, args, kwargs)
+        return _execute.execute(op, args, kwargs)
 
 
 # -- memory, copies, scalars -------------------------------------------------------------------------
@@ -90,8 +91,8 @@ def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_mem
 def copy_(dst, src, non_blocking=False):
     if core.is_tpu(dst):
         if core.is_tpu(src):
-            return core.execute(aten.copy_.default, (dst, src), {})
-        core.copy_from_cpu(dst, src)
+            return _execute.execute(aten.copy_.default, (dst, src), {})
+        _execute.copy_from_cpu(dst, src)
         return dst
     # dst on the host, src on the device; torch's storages hold unconjugated values, as ours do
     host = core.to_cpu(src)
@@ -105,7 +106,7 @@ def to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blo
     target = torch.device(device) if device is not None else x.device
     if target.type == "tpu":
         if core.is_tpu(x):
-            return core.execute(aten._to_copy.default, (x,), {"dtype": dtype})
+            return _execute.execute(aten._to_copy.default, (x,), {"dtype": dtype})
         out = core.from_cpu(x if dtype is None else x.to(dtype))
         return out
     host = core.to_cpu(x)
@@ -128,7 +129,7 @@ def native_multi_head_attention(*args, **kwargs):
     """MultiheadAttention's eval fast path. With ``need_weights=False`` the CPU kernel returns an undefined
     tensor, None in Python (``out, w = mha(x, x, x, need_weights=False)`` gives w None); the lowering
     returns the (0,) placeholder of torch's meta kernel, which must not reach the user."""
-    out, weights = core.execute(aten._native_multi_head_attention.default, args, kwargs)
+    out, weights = _execute.execute(aten._native_multi_head_attention.default, args, kwargs)
     need_weights = args[10] if len(args) > 10 else kwargs.get("need_weights", True)
     return out, weights if need_weights else None
 
@@ -208,8 +209,8 @@ def batch_norm_gather_stats_with_counts(input, mean_all, invstd_all, running_mea
     the global (mean, invstd) from the lowering, then CUDA's update with the unbiased variance of the
     union of the ranks' batches."""
     op = aten.batch_norm_gather_stats_with_counts.default
-    mean, invstd = core.execute(op, (input, mean_all, invstd_all, running_mean, running_var, momentum, eps,
-                                     counts), {})
+    mean, invstd = _execute.execute(op, (input, mean_all, invstd_all, running_mean, running_var, momentum, eps,
+                                         counts), {})
     if running_mean is not None or running_var is not None:
         with torch.no_grad():
             if running_mean is not None:
@@ -248,7 +249,7 @@ def _cpu_indices_allowed(op):
     def kernel(x, indices, *args, **kwargs):
         if x.device.type == "tpu":
             indices = [i.to(x.device) if i is not None and i.device.type == "cpu" else i for i in indices]
-        return core.execute(op, (x, indices, *args), kwargs)
+        return _execute.execute(op, (x, indices, *args), kwargs)
     return kernel
 
 

@@ -7,8 +7,11 @@ compute, or None before anything was written (reads as zeros). Every alias share
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import weakref
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -148,13 +151,22 @@ def _reader(key: tuple, flat, offset: int):
 
     if program_cache.default_cache() is None:
         return jax.jit(read)
-    from tpudist.device._fused import _source_fingerprint
-
     parts = (_source_fingerprint(), sizes, strides, flat.shape, str(flat.dtype), str(dtype))
     with jax.enable_x64(True):
         compiled, _, _ = program_cache.load_or_compile("reader", parts, jax.jit(read), (flat, np.int64(offset)),
                                                        [device])
     return compiled
+
+
+@functools.cache
+def _source_fingerprint() -> str:
+    """A hash of tpudist.ops and tpudist.device sources: editing a lowering invalidates disk programs."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted([*root.joinpath("ops").rglob("*.py"), *root.joinpath("device").rglob("*.py")]):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _retype(value, want):
@@ -183,11 +195,20 @@ class Lazy:
         self.graph, self.index = graph, index
 
 
+_run_pending = None  # Fused mode's flush, registered by _fused (on_flush): None until it is imported
+
+
+def on_flush(run) -> None:
+    """``run()`` runs the pending fused graph: ``_fused`` registers its ``flush`` when it is imported (it
+    imports this module; this one never imports it). Before that no op was recorded: nothing is pending."""
+    global _run_pending
+    _run_pending = run
+
+
 def flush() -> None:
     """Run the pending fused graph, if any (a sync point)."""
-    from tpudist.device import _fused
-
-    _fused.flush()
+    if _run_pending is not None:
+        _run_pending()
 
 
 def _outputs_py(outputs, values, graph, index, written):

@@ -414,7 +414,7 @@ def _build(plan: Plan, verify: bool) -> Compiled:
 
 
 def _device_digest() -> str:
-    from tpudist.device._fused import _source_fingerprint
+    from tpudist.device._storage import _source_fingerprint
 
     return _source_fingerprint()
 

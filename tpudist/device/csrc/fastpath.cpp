@@ -351,7 +351,7 @@ PyObject* new_slotted(PyTypeObject* type, std::initializer_list<std::pair<PyObje
 // outputs(outputs, values, graph, index, written) -> [tensor, ...]: a fresh tensor per (shape, dtype,
 // numel) of ``outputs`` over a new storage holding Buffer(numel, dtype, value). value is values[i]
 // (Strict: the kernel's arrays) or, with values None, Lazy(graph, index + i) (Fused), and then a
-// weakref to the buffer is appended to ``written``. What _fused.record and _core._dispatch did in Python.
+// weakref to the buffer is appended to ``written``. What _fused.record and _execute._dispatch did in Python.
 PyObject* outputs(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
   if (argc != 5 || !PyTuple_CheckExact(argv[0])) {
     PyErr_SetString(PyExc_TypeError, "outputs(outputs: tuple, values, graph, index, written)");
