@@ -1,5 +1,5 @@
-"""``tpudist._after_import.when_imported``: how the device hooks into Helion and accelerate without
-importing them. The callback runs once, after the module's body, for a package and a submodule, and at
+"""``tpudist._after_import.when_imported``: how the device hooks into accelerate, and the package face
+into the device and Helion, without importing them. The callback runs once, after the module's body, for a package and a submodule, and at
 once for a module imported already."""
 
 from __future__ import annotations

@@ -62,10 +62,7 @@ def _install() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(_after_optimizer_step)
-    from tpudist.kernels._helion_hook import route_helion_when_imported
-
-    route_helion_when_imported()  # plain @helion.kernel calls on tpu tensors: no host round trip
-    from tpudist.device import _fused, _opaque  # noqa: F401 - _fused loaded now (else lazily) to be covered
+    from tpudist.device import _opaque
 
     _opaque.hide_from_dynamo()  # last: every device module is loaded by now
 

@@ -14,6 +14,8 @@ import warnings
 import torch
 
 _original_call = torch._TorchCompileInductorWrapper.__call__  # noqa: SLF001
+# tpudist's own name for its backend: "tpu" is another package's where one registered it too (TorchTPU)
+_BACKEND = "tpudist"
 _warned = False
 
 
@@ -30,9 +32,9 @@ def _inductor_or_tpu(self, model_, inputs_, *, config_patches=None):
         warnings.warn("torch.compile's default backend (inductor) has no code generation for tpudist's 'tpu' "
                       "device: graphs of tpu tensors compile with backend='tpu' (tpudist's XLA backend); "
                       "pass backend='tpu' to say so and silence this warning", stacklevel=2)
-    from tpudist.compile.backend import backend
-
-    return backend(model_, inputs_)
+    # through Dynamo's registry (the package's torch_dynamo_backends entry point), as backend="tpudist"
+    # finds it: the compile backend is a layer above the device, which never imports it
+    return torch._dynamo.lookup_backend(_BACKEND)(model_, inputs_)  # noqa: SLF001
 
 
 def register() -> None:
