@@ -40,25 +40,6 @@ def _layers_of_design() -> tuple[tuple[str, ...], ...]:
 # docs/design.md is the one statement of the layers: the check reads them there.
 LAYERS: tuple[tuple[str, ...], ...] = _layers_of_design()
 
-# Issue #39: the device's core and the modules it hands work to still import each other (the device
-# is being reshaped by other work; this circle is untangled after it lands). A circle passes only if
-# every module in it is named here: remove this entry when the circle is gone, and never add one.
-KNOWN_CIRCLES: tuple[frozenset[str], ...] = (
-    frozenset({"tpudist.device._core", "tpudist.device._debug", "tpudist.device._fused", "tpudist.device._grow",
-               "tpudist.device._storage"}),
-)
-
-# Issue #39, with the device: its install (tpudist/device/__init__.py) turns on two integrations of the
-# layers above it. The Helion route's hook module is imported at install and imports tpudist.kernels.helion
-# once Helion is imported; inductor's redirect of graphs of tpu tensors imports the compile backend when
-# inductor gets such a graph. They go when the device's install moves above the layers it wires (or
-# reaches them through torch's registries). Remove an entry when its import is gone; never add one.
-KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset({
-    ("tpudist.device", "tpudist.kernels._helion_hook"),
-    ("tpudist.device._compile_default", "tpudist.compile.backend"),
-})
-
-
 def _module_name(path: pathlib.Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -171,7 +152,7 @@ def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
 
     return [f"  {module}:{line} imports {target}: {name(layer_of(target))} is above {name(layer_of(module))}"
             for module in sorted(graph) for target, line in sorted(graph[module].items())
-            if layer_of(target) > layer_of(module) and (module, target) not in KNOWN_UPWARD]
+            if layer_of(target) > layer_of(module)]
 
 
 def _describe(component: list[str], graph: dict[str, dict[str, int]]) -> str:
@@ -182,11 +163,11 @@ def _describe(component: list[str], graph: dict[str, dict[str, int]]) -> str:
 
 def test_no_import_circle():
     graph = import_graph()
-    unknown = [c for c in circles(graph) if not any(set(c) <= known for known in KNOWN_CIRCLES)]
-    assert not unknown, (
+    found = circles(graph)
+    assert not found, (
         "modules of tpudist import each other (module:line -> imported); imports must run one way: move what "
         "both need into a module below them both, or the import down to the module that needs it:\n"
-        + "\n".join(_describe(c, graph) for c in unknown))
+        + "\n".join(_describe(c, graph) for c in found))
 
 
 def test_imports_run_down_the_layers():
@@ -227,6 +208,5 @@ def test_the_check_sees_lazy_and_relative_imports_and_skips_type_checking(tmp_pa
 
 if __name__ == "__main__":
     for component in circles(import_graph()):
-        known = " (known: KNOWN_CIRCLES)" if any(set(component) <= k for k in KNOWN_CIRCLES) else ""
-        print(f"circle of {len(component)} modules{known}:\n{_describe(component, import_graph())}")
+        print(f"circle of {len(component)} modules:\n{_describe(component, import_graph())}")
     print("\n".join(upward_imports(import_graph())))
