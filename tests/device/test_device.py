@@ -129,7 +129,15 @@ def _view_cases():
         out.resize_(4); a = m(torch.zeros(4)); a.set_(out); a.add_(1)
         return torch.cat([out, a])
 
-    return [c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15]
+    def c16(m):  # phases of an interleaving read by one op: RoPE's even and odd elements (offsets 0, 1)
+        x = m(torch.arange(48.).view(2, 3, 8)); even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((even * 2 - odd, even + odd * 3), -1).flatten(-2)
+
+    def c17(m):  # phases 1 and 2 of stride-3 views, rows past the storage's end (29 = 10 * 3 - 1); 2-d phase
+        x, y = m(torch.arange(29.)), m(torch.arange(24.).view(4, 6))[:, 1::2]  # y: strides (6, 2), offset 1
+        return torch.cat([x[1::3] * 2, x[2::3] + 1, (y * 3).flatten(), y.t().flatten() + 0])
+
+    return [c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17]
 
 
 def run_views(mode):
@@ -649,7 +657,7 @@ def test_llama_sgd_parameters_match(dev, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_views_and_aliasing_match_cpu(dev, mode):
     results = dev(run_views, mode)
-    assert len(results) >= 10
+    assert len(results) >= 17
     for name, ref, got in results:
         assert ref.dtype == got.dtype and torch.equal(ref, got), (mode, name, ref, got)
 

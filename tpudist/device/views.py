@@ -71,17 +71,18 @@ def _span(flat, offset, length):
     return part
 
 
-def _rows_read(block, sizes, strides):
-    """block: (*lead, L); returns (*lead, *sizes) picking the strided elements of each row."""
+def _rows_read(block, sizes, strides, phase=0):
+    """block: (*lead, L); returns (*lead, *sizes) picking the strided elements of each row, each the
+    ``phase``-th of its innermost step."""
     if not sizes:
-        return block[..., 0]
+        return block[..., phase]
     size, stride = sizes[0], strides[0]
     lead = block.shape[:-1]
     need = size * stride
     if block.shape[-1] < need:
         block = jnp.pad(block, [(0, 0)] * len(lead) + [(0, need - block.shape[-1])])
     sub = block[..., :need].reshape(*lead, size, stride)
-    return _rows_read(sub, sizes[1:], strides[1:])
+    return _rows_read(sub, sizes[1:], strides[1:], phase)
 
 
 def _rows_write(block, value, sizes, strides):
@@ -118,8 +119,12 @@ def read(flat, sizes, strides, offset):
         sub_sizes = [sizes[d] for d in dims]
         sub_strides = [strides[d] for d in dims]
         first = sub_sizes[0] * sub_strides[0]
-        block = _span(flat, offset, first).reshape(sub_sizes[0], sub_strides[0])
-        value = _rows_read(block, sub_sizes[1:], sub_strides[1:])
+        # An offset below the innermost step is a phase (the odd elements of pairs): the rows start at
+        # 0 and the innermost pick takes the phase, static slices of the storage's own rows where a
+        # span from the offset was a shifted copy of the whole storage (padded at its end)
+        phase = offset if 0 < offset < sub_strides[-1] else 0
+        block = _span(flat, offset - phase, first).reshape(sub_sizes[0], sub_strides[0])
+        value = _rows_read(block, sub_sizes[1:], sub_strides[1:], phase)
         # value has shape (sub_sizes...); put the dims back in the view's order
         order = [dims.index(d) for d in sorted(dims)]
         value = jnp.transpose(value, order) if order != sorted(order) else value
