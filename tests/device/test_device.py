@@ -792,7 +792,7 @@ def test_fsdp2_frees_and_reallocates_tpu_storages(dev):
     for g, r in zip(got, ref):
         assert abs(g - r) <= 1e-5 * abs(r), (g, r)
     assert diff <= 1e-6
-    assert "tpu" in freed  # FSDP2 freed unsharded tpu parameters through the wrapped free_storage
+    assert "tpu" in freed  # FSDP2 freed unsharded tpu parameters (its free_storage: UntypedStorage.resize_(0))
 
 
 _COMPILE_CODE = """

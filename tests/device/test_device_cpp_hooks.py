@@ -58,12 +58,6 @@ def test_tensor_pin_memory_keeps_strides_and_refuses_another_device():
         plain.pin_memory("cuda")
 
 
-def test_storage_resize_of_a_tpu_tensor_is_a_clear_error():
-    storage = torch.ones(4, device="tpu").untyped_storage()
-    with pytest.raises(NotImplementedError, match=r"resize_\(0\) of a tpu storage is not supported"):
-        storage.resize_(0)
-
-
 def test_bad_env_value_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TPUDIST_CPP_HOOKS", "yes")
     with pytest.raises(ValueError, match="TPUDIST_CPP_HOOKS='yes' must be '1'"):
@@ -96,7 +90,8 @@ answers = {
     "device_is_pinned": ask(lambda: torch.ones(2, device="tpu").is_pinned()),
     "sum": ask(lambda: (torch.ones(2, device="tpu") * 3).sum().item()),
     "backward": ask(lambda: torch.ones(2, device="tpu", requires_grad=True).mul(2).sum().backward()),
-    "resize": ask(lambda: torch.ones(2, device="tpu").untyped_storage().resize_(0)),
+    "resize": ask(lambda: torch.ones(2, device="tpu").untyped_storage().resize_(0).nbytes()),
+    "nbytes": ask(lambda: torch.ones(2, device="tpu").untyped_storage().nbytes()),
     "pin_memory": ask(lambda: torch.randn(3).pin_memory().is_pinned()),
     "empty_pinned": ask(lambda: torch.empty(3, pin_memory=True).is_pinned()),
     "synchronize": ask(torch.accelerator.synchronize),
@@ -117,7 +112,8 @@ def probed() -> dict:
     return got
 
 
-_DIFFERENT = ("warnings", "active", "empty_pinned", "generator")  # what the two hooks answer differently, by design
+# what the two hooks answer differently, by design
+_DIFFERENT = ("warnings", "active", "empty_pinned", "generator", "resize", "nbytes")
 
 
 def test_cpp_hooks_answer_what_the_python_hooks_answered(probed):
@@ -128,6 +124,7 @@ def test_cpp_hooks_answer_what_the_python_hooks_answered(probed):
                                                                      if k not in _DIFFERENT}
     assert (cpp["warnings"], cpp["active"], cpp["empty_pinned"]) == ([], True, "True")
     assert cpp["generator"] == "device(type='tpu', index=0)"  # getNewGenerator (test_device_generator.py)
+    assert (cpp["nbytes"], cpp["resize"]) == ("8", "0")  # storage sizes (test_device_storage.py)
     assert cpp["accelerator"] == "device(type='tpu')" and cpp["sum"] == "6.0" and cpp["pin_memory"] == "True"
 
 
@@ -144,6 +141,7 @@ def test_fallback_with_env_zero_warns_once_and_the_device_works(probed):
     assert python["active"] is False
     assert python["empty_pinned"] == "NotImplementedError"  # torch's own error, as before the C++ hooks
     assert python["generator"] == "NotImplementedError"  # torch's ("implement getNewGenerator"); the warning says it
+    assert (python["nbytes"], python["resize"]) == ("0", "NotImplementedError")  # FSDP2 then goes through device/_fsdp.py
     assert python["pin_memory"] == "True" and python["sum"] == "6.0"  # device/_pinned.py; the device works
 
 

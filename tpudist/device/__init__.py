@@ -43,18 +43,21 @@ def _install() -> None:
 
     from tpudist.device import (
         _accelerate, _accelerator, _attention, _autocast, _compile_default, _fsdp, _hooks, _kernels, _module, _pinned,
-        _serialization,
+        _serialization, _storage,
     )
 
     module = _module.build_module()
     # First: torch keeps the first hooks object, and the setup below then skips its Python one
     cpp_hooks = _hooks.install()
     _setup_privateuseone_for_python_backend(_NAME, backend_module=module)
+    if cpp_hooks:
+        _storage.connect_hooks()
     _kernels.register()
     _autocast.register()
     _attention.register()
     _serialization.register()
-    _fsdp.register()
+    if not cpp_hooks:
+        _fsdp.register()  # the C++ hooks resize tpu storages: FSDP2's own free/alloc work
     _pinned.register(cpp_allocator=cpp_hooks)
     _accelerator.register()
     _accelerate.register()

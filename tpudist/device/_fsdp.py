@@ -1,17 +1,17 @@
-"""FSDP2's storage resize/free for "tpu" tensors.
+"""FSDP2's storage resize/free for "tpu" tensors without tpudist's C++ hooks.
 
 FSDP2 (torch 2.13, ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``) frees an unsharded
 parameter's memory with ``free_storage`` (``untyped_storage().resize_(0)``) after forward/backward
 and re-allocates it with ``alloc_storage`` (``resize_(numel * itemsize)``) before the all-gather
-writes into it. ``UntypedStorage.resize_`` on PrivateUse1 goes to the hooks' ``resizePrivateUse1Bytes``,
-and tpudist's C++ hooks (``csrc/hooks.cpp``) cannot do it: a tpu storage's memory is a jax.Array held by
-its Python object, and every tpu storage reports 0 bytes (``torch._C._acc.create_empty_tensor``), so
-FSDP's own functions would never free one (they resize only a storage whose size is not already 0).
-Those two module functions are therefore wrapped for tpu tensors: freeing drops the storage's
-``jax.Array`` (its memory returns to XLA), allocating leaves an unwritten storage (it reads as zeros
-until FSDP's all-gather copies into it). Other devices go to FSDP's own functions. The wrap happens
-when FSDP2's modules are imported (an import hook), so ``import tpudist.device`` does not pay FSDP's
-import time.
+writes into it. ``UntypedStorage.resize_`` on PrivateUse1 goes to the hooks' ``resizePrivateUse1Bytes``:
+tpudist's C++ hooks (``csrc/hooks.cpp``) implement it (``_storage.resize_storage``), and tpu storages
+report their sizes, so FSDP2's own functions work. torch's Python hooks, which stand in where the C++
+ones could not be built, cannot resize, and every storage then reports 0 bytes (FSDP's functions would
+never free one): only then are those two module functions wrapped for tpu tensors: freeing drops the
+storage's ``jax.Array`` (its memory returns to XLA), allocating leaves an unwritten storage (it reads as
+zeros until FSDP's all-gather copies into it). Other devices go to FSDP's own functions. The wrap
+happens when FSDP2's modules are imported (an import hook), so ``import tpudist.device`` does not pay
+FSDP's import time.
 
 Allocating can be a no-op because FSDP2 writes every element of a re-allocated storage before it
 reads one: the all-gather's copy-out (``split_with_sizes_copy``) fills the parameters' all-gather

@@ -42,7 +42,7 @@ from tpudist import ops as tops
 from tpudist.device import _runtime as rt
 from tpudist.device import buckets, views
 from tpudist.device._core import Kernel, _cast, _offset, flatten_args, kernel_for, unflatten_args
-from tpudist.device._storage import _ATTR, _create_empty, buffer_of, is_tpu
+from tpudist.device._storage import _create_empty, attach, buffer_of, is_tpu
 
 aten = torch.ops.aten
 ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -207,7 +207,7 @@ def strided_over(flat: torch.Tensor, shape, strides, capacity: int) -> torch.Ten
     t = _create_empty(tuple(shape), flat.dtype)
     buf = buffer_of(flat)
     CAPACITY[buf] = capacity
-    setattr(t.untyped_storage(), _ATTR, buf)
+    attach(t, buf)
     return aten.as_strided.default.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.Meta),  # noqa: SLF001
                                               t, tuple(shape), tuple(strides), 0)
 

@@ -137,6 +137,9 @@ def install() -> bool:
         return _fallback(build_failure(_SOURCE, e))
     _lib = ctypes.CDLL(str(path))
     _lib.tpudist_pinned_bytes.restype = ctypes.c_int64
+    _lib.tpudist_set_storage_bytes.argtypes = (ctypes.c_void_p, ctypes.c_int64)
+    _lib.tpudist_set_resize_callback.argtypes = (ctypes.py_object,)
+    _lib.tpudist_default_generator.restype = ctypes.py_object
     status = _lib.tpudist_register_hooks()
     if status != 1:
         _lib = None
@@ -148,6 +151,32 @@ def install() -> bool:
 def active() -> bool:
     """Whether torch's PrivateUse1 hooks are tpudist's C++ hooks in this process."""
     return _lib is not None and _lib.tpudist_hooks_registered() == 1
+
+
+def set_storage_bytes(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Give a tpu storage its size in bytes (and an address of its own); nothing without the C++ hooks, whose
+    storages report 0 bytes."""
+    if _lib is not None:
+        _lib.tpudist_set_storage_bytes(storage._cdata, nbytes)  # noqa: SLF001
+
+
+def storage_bytes_address() -> int:
+    """The address of the C function behind ``set_storage_bytes`` (the C++ fast path calls it), or 0."""
+    if _lib is None:
+        return 0
+    return ctypes.cast(_lib.tpudist_set_storage_bytes, ctypes.c_void_p).value
+
+
+def on_resize(resize) -> None:
+    """``resize(storage, nbytes)`` runs the buffer's side of ``UntypedStorage.resize_`` of a tpu storage (with the
+    C++ hooks; without them torch raises)."""
+    if _lib is not None:
+        _lib.tpudist_set_resize_callback(resize)
+
+
+def default_generator() -> torch.Generator | None:
+    """The device's default generator (the hooks' ``getDefaultGenerator``), or None without the C++ hooks."""
+    return _lib.tpudist_default_generator() if _lib is not None else None
 
 
 def pinned_bytes() -> int:

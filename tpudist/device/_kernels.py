@@ -167,6 +167,37 @@ def set_source_tensor(x, source):
     return x
 
 
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)  # noqa: SLF001
+
+
+def set_source_storage(x, source):
+    """``x.set_(storage)``: the whole storage as a flat tensor of ``x``'s dtype."""
+    return aten.set_.source_Storage_storage_offset(x, source, 0, (source.nbytes() // x.element_size(),), ())
+
+
+def set_source_storage_offset(x, source, storage_offset, size, stride=()):
+    """``x.set_(storage, offset, size, stride)``: ``x`` takes the storage and that geometry (how
+    ``UntypedStorage.copy_`` reads and writes a tpu storage, as bytes, and how DCP stages one).
+
+    torch's CPU kernel (``set_storage_cpu_``) does exactly that for a tensor of any device: its checks (the
+    storage's device is ``x``'s), the storage, the geometry, and an allocation only for a storage too small,
+    which the bounds check here refuses first (a tpu storage grows through ``UntypedStorage.resize_``)."""
+    size = tuple(size)
+    stride = tuple(stride) if len(stride) else views.contiguous_strides(size)
+    if source.device.type == "tpu":
+        if not hasattr(source, core._ATTR):  # noqa: SLF001
+            raise RuntimeError("Tensor.set_ of a tpu storage without a device buffer (it was not made by "
+                               "tpudist.device)")
+        need = (storage_offset + views.extent(size, stride)) * x.element_size() if all(size) else 0
+        if need > source.nbytes():
+            raise RuntimeError(
+                f"Tensor.set_: size={size}, stride={stride}, storage_offset={storage_offset} of "
+                f"{x.dtype} needs {need} bytes of its storage, which holds {source.nbytes()}"
+                + ("" if source.nbytes() else " (tpu storages have their sizes with tpudist's C++ hooks only: "
+                   "see the warning at import)"))
+    return aten.set_.source_Storage_storage_offset.redispatch(_CPU, x, source, storage_offset, size, stride)
+
+
 def record_stream(x, stream):
     return None
 
@@ -267,6 +298,8 @@ _SPECIAL = {
     aten._native_multi_head_attention.default: native_multi_head_attention,
     aten.resize_.default: resize_,
     aten.set_.source_Tensor: set_source_tensor,
+    aten.set_.source_Storage: set_source_storage,
+    aten.set_.source_Storage_storage_offset: set_source_storage_offset,
     aten.record_stream.default: record_stream,
     aten.native_batch_norm.default: native_batch_norm,
     aten.native_batch_norm.out: native_batch_norm_out,
@@ -340,6 +373,42 @@ def _composite_implicit(op) -> bool:
 _METADATA_ONLY = (aten._unsafe_view.default,)
 
 
+def _placed(op):
+    """The kernel of an op with a tensor argument and ``device=`` (``new_*``, ``*_like``).
+
+    Another device than tpu makes the result there, as CUDA's kernels do: ``x.new_empty(n, device="cpu")``
+    is a CPU tensor (DCP's async_save stages tensors so); the op then runs on a CPU stand-in of ``x``
+    (its dtype; its geometry for a ``*_like``, whose values never depend on x's). A ``*_like`` result has
+    the strides torch's Meta kernel gives it: ``memory_format=torch.preserve_format`` keeps a transposed
+    or otherwise permuted input's, a ``memory_format`` asks for its own."""
+    like = op._schema.name.endswith("_like")  # noqa: SLF001
+
+    def kernel(x, *args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and device.type != "tpu":
+            host = (torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype) if like
+                    else torch.empty((0,), dtype=x.dtype))
+            return op(host, *args, **kwargs)
+        with rt.LOCK:
+            out = core.execute(op, (x, *args), kwargs)
+            if like and (not x.is_contiguous() or kwargs.get("memory_format") not in (None, torch.preserve_format)):
+                out = _strided_like(op, x, out, args, kwargs)
+        return out
+
+    return kernel
+
+
+def _strided_like(op, x, out, args, kwargs):
+    """``out`` (contiguous) laid out with the strides torch gives ``op``'s result for an input of ``x``'s."""
+    want = op(core._meta_of(x), *args, **{**kwargs, "device": torch.device("meta")}).stride()  # noqa: SLF001
+    if want == out.stride():
+        return out
+    strided = empty_strided(tuple(out.shape), want, dtype=out.dtype)
+    if op not in (aten.empty_like.default, aten.zeros_like.default):  # an unwritten storage reads as zeros
+        copy_(strided, out)
+    return strided
+
+
 def register_lowered(op) -> None:
     """Route ``op`` (and its in-place/out twins) on tpu tensors to its lowering in ``tpudist.ops``.
 
@@ -348,7 +417,10 @@ def register_lowered(op) -> None:
     """
     if op in _SPECIAL or is_view_op(op) or _composite_implicit(op) or op in _METADATA_ONLY:
         return
-    _impl(op, functools.partial(execute_kernel, op))
+    schema = op._schema  # noqa: SLF001
+    placed = (any(a.name == "device" for a in schema.arguments)
+              and any(isinstance(a.type, torch.TensorType) for a in schema.arguments))
+    _impl(op, _placed(op) if placed else functools.partial(execute_kernel, op))
     for twin in _twins(op):
         if twin not in _SPECIAL:
             _impl(twin, functools.partial(execute_kernel, twin))

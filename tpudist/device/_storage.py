@@ -21,7 +21,7 @@ import torch
 from jax._src import config as _jax_config
 
 import tpudist.ops as tops
-from tpudist.device import _fastpath, _oom
+from tpudist.device import _fastpath, _hooks, _oom
 from tpudist.device import _runtime as rt
 from tpudist.device import views
 
@@ -61,15 +61,49 @@ def is_tpu(x) -> bool:
 
 def new_tensor(shape, dtype: torch.dtype, value=None, numel: int | None = None) -> torch.Tensor:
     t = torch._C._acc.create_empty_tensor(tuple(int(s) for s in shape), dtype)  # noqa: SLF001
-    setattr(t.untyped_storage(), _ATTR, Buffer(math.prod(shape) if numel is None else numel, dtype, value))
+    attach(t, Buffer(math.prod(shape) if numel is None else numel, dtype, value))
     return t
 
 
 def tensor_over(buf: Buffer, shape: tuple) -> torch.Tensor:
     """A contiguous tensor of ``shape`` (a tuple of ints) over a new storage holding ``buf``."""
     t = _create_empty(shape, buf.dtype)
-    setattr(t.untyped_storage(), _ATTR, buf)
+    attach(t, buf)
     return t
+
+
+def attach(t: torch.Tensor, buf: Buffer) -> None:
+    """Make ``buf`` what the fresh storage of ``t`` holds, and the storage ``buf``'s size in bytes."""
+    storage = t.untyped_storage()
+    setattr(storage, _ATTR, buf)
+    _hooks.set_storage_bytes(storage, buf.numel * buf.dtype.itemsize)
+
+
+def resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """The buffer's side of ``UntypedStorage.resize_(nbytes)`` of a tpu storage (the C++ hooks call it, then set
+    the storage's byte size). 0 frees the buffer's ``jax.Array`` (FSDP2 frees unsharded parameters so), another
+    size keeps the leading elements and reads as zeros past them (FSDP2 writes every element of a storage it
+    re-allocated before reading one)."""
+    buf = getattr(storage, _ATTR, None)
+    if buf is None:
+        raise RuntimeError("UntypedStorage.resize_ of a tpu storage without a device buffer (it was not made by "
+                           "tpudist.device)")
+    itemsize = buf.dtype.itemsize
+    if nbytes % itemsize:
+        raise RuntimeError(f"UntypedStorage.resize_({nbytes}) of a tpu storage of {buf.dtype}: the size in bytes "
+                           f"must be a multiple of the element size, {itemsize}")
+    numel = nbytes // itemsize
+    if numel == buf.numel:
+        return
+    if numel == 0 or buf.value is None:
+        buf.value = None
+    else:
+        if isinstance(buf.value, Lazy):
+            flush()
+        with jax.enable_x64(True):
+            kept = buf.value[:numel]
+            buf.value = jnp.pad(kept, (0, numel - kept.shape[0])) if kept.shape[0] < numel else kept
+    buf.numel = numel
 
 
 _create_empty = torch._C._acc.create_empty_tensor  # noqa: SLF001
@@ -220,7 +254,7 @@ def _outputs_py(outputs, values, graph, index, written):
     for i, (shape, dtype, numel) in enumerate(outputs):
         b = Buffer(numel, dtype, Lazy(graph, index + i) if values is None else values[i])
         t = _create_empty(shape, dtype)
-        t.untyped_storage()._tpudist_buffer = b
+        attach(t, b)
         fresh.append(t)
         if values is None:
             written.append(_weakref(b))
@@ -233,3 +267,11 @@ outputs = _outputs_py
 if _fast is not None:
     _fast.init_outputs(Buffer, Lazy, _create_empty, _ATTR)
     outputs = _fast.outputs
+
+
+def connect_hooks() -> None:
+    """After the C++ hooks were installed: fresh storages get their size in bytes (in the C++ ``outputs`` too),
+    and ``UntypedStorage.resize_`` of a tpu storage reaches ``resize_storage``."""
+    _hooks.on_resize(resize_storage)
+    if _fast is not None:
+        _fast.init_outputs(Buffer, Lazy, _create_empty, _ATTR, _hooks.storage_bytes_address())

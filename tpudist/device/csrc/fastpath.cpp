@@ -24,6 +24,7 @@
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <cstdint>
 #include <initializer_list>
 #include <utility>
 #include <vector>
@@ -49,6 +50,8 @@ PyTypeObject* g_buffer_type = nullptr;  // _storage.Buffer
 PyTypeObject* g_lazy_type = nullptr;    // _storage.Lazy
 PyObject* g_create_empty = nullptr;     // torch._C._acc.create_empty_tensor(shape, dtype)
 PyObject* g_buffer_attr = nullptr;      // "_tpudist_buffer", for outputs()
+// the C++ hooks' tpudist_set_storage_bytes (csrc/hooks.cpp): a fresh storage's size in bytes; null without them
+int (*g_set_storage_bytes)(void*, int64_t) = nullptr;
 PyObject* s_graph = nullptr;
 PyObject* s_index = nullptr;
 constexpr Py_ssize_t kCachedTreedefs = 32;
@@ -398,8 +401,15 @@ PyObject* outputs(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) 
       PyErr_SetString(PyExc_TypeError, "outputs(): create_empty_tensor did not return a tensor");
       return nullptr;
     }
-    Ref storage(THPStorage_Wrap(THPVariable_Unpack(tensor.p).storage()));
+    const c10::Storage& tensor_storage = THPVariable_Unpack(tensor.p).storage();
+    Ref storage(THPStorage_Wrap(tensor_storage));
     if (!storage.p || PyObject_SetAttr(storage.p, g_buffer_attr, buf.p) < 0) return nullptr;
+    if (g_set_storage_bytes != nullptr) {
+      int64_t count = PyLong_AsLongLong(numel);
+      if (count == -1 && PyErr_Occurred()) return nullptr;
+      auto itemsize = static_cast<int64_t>(c10::elementSize(reinterpret_cast<THPDtype*>(dtype)->scalar_type));
+      g_set_storage_bytes(tensor_storage.unsafeGetStorageImpl(), count * itemsize);
+    }
     if (values == Py_None) {
       Ref ref(PyWeakref_NewRef(buf.p, nullptr));
       if (!ref.p || PyList_Append(written, ref.p) < 0) return nullptr;
@@ -411,8 +421,11 @@ PyObject* outputs(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) 
 
 PyObject* init_outputs(PyObject* /*module*/, PyObject* args) {
   PyObject *buffer_type, *lazy_type, *create_empty, *attr;
-  if (!PyArg_ParseTuple(args, "O!O!OU", &PyType_Type, &buffer_type, &PyType_Type, &lazy_type, &create_empty, &attr))
+  unsigned long long set_storage_bytes = 0;
+  if (!PyArg_ParseTuple(args, "O!O!OU|K", &PyType_Type, &buffer_type, &PyType_Type, &lazy_type, &create_empty, &attr,
+                        &set_storage_bytes))
     return nullptr;
+  g_set_storage_bytes = reinterpret_cast<int (*)(void*, int64_t)>(static_cast<std::uintptr_t>(set_storage_bytes));
   Py_INCREF(buffer_type);
   Py_INCREF(lazy_type);
   Py_INCREF(create_empty);
@@ -460,7 +473,7 @@ PyMethodDef methods[] = {
      "outputs(outputs, values, graph, index, written) -> fresh tensors over new Buffers"},
     {"create_empty", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(create_empty_py)), METH_FASTCALL,
      "create_empty(shape: tuple, dtype) -> torch._C._acc.create_empty_tensor(shape, dtype), without pybind11"},
-    {"init_outputs", init_outputs, METH_VARARGS, "init_outputs(buffer_type, lazy_type, create_empty_tensor, attr)"},
+    {"init_outputs", init_outputs, METH_VARARGS, "init_outputs(buffer_type, lazy_type, create_empty_tensor, attr, set_storage_bytes=0)"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -9,12 +9,19 @@
 //   allocator", which is what torch's is_pinned() and DDP's reducer (its used-parameter map is staged
 //   through empty_like(pin_memory=True) for a PrivateUse1 model) need.
 // - isPinnedPtr: true for any address inside a live block of that allocator.
-// - resizePrivateUse1Bytes: a clear error. A tpu storage's memory is a jax.Array held by the storage's
-//   Python object (device/_storage.py), out of reach here; FSDP2's resizes go through device/_fsdp.py.
+// - Storage bytes: a tpu storage's memory is a jax.Array held by the storage's Python object
+//   (device/_storage.py). tpudist_set_storage_bytes gives the storage its true size in bytes (what
+//   nbytes(), UntypedStorage.size() and FSDP2/DCP read) and, as its data pointer, an address of its own:
+//   the StorageImpl's, unique while the storage lives, never read (torch dereferences no PrivateUse1
+//   pointer; it refuses a storage with bytes and a null pointer: "Note [Invalid Python Storages]").
+// - resizePrivateUse1Bytes: UntypedStorage.resize_ calls the Python function registered with
+//   tpudist_set_resize_callback (device/_storage.py: resize_(0) frees the jax.Array, a new size leaves
+//   the leading elements), then sets the new byte size.
 // - getNewGenerator: torch.Generator(device="tpu"). Its state is the device stream's (seed, counter)
 //   pair: the offset is the number of random ops drawn since the seed, and the k-th op drawing from it
 //   uses the key fold_in(key(seed), k) (device/_runtime.py advances the offset through the Python API).
-//   getDefaultGenerator stays torch's error: the device's default stream is torch.tpu's (_runtime.py).
+// - getDefaultGenerator: one such generator, seeded with torch's default seed: the device's default
+//   stream (torch.tpu.default_generators[0], what torch.tpu.manual_seed seeds).
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Generator.h>
@@ -22,6 +29,10 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/GeneratorImpl.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Generator.h>
+#include <torch/csrc/Storage.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 #include <cstdint>
 #include <cstring>
@@ -152,6 +163,16 @@ class PinnedHostAllocator final : public c10::Allocator {
   size_t live_bytes_ = 0;
 };
 
+// A tpu storage's byte size, and an address of its own once it has bytes (see the top of this file).
+void set_storage_bytes(c10::StorageImpl& storage, size_t nbytes) {
+  if (storage.data() == nullptr) {
+    storage.set_data_ptr_noswap(c10::DataPtr(&storage, storage.device()));
+  }
+  storage.set_nbytes(nbytes);
+}
+
+PyObject* g_resize = nullptr;  // resize(storage, nbytes): the buffer's side of UntypedStorage.resize_
+
 struct TpuHooks final : public at::PrivateUse1HooksInterface {
   bool isBuilt() const override {
     return true;
@@ -179,12 +200,29 @@ struct TpuHooks final : public at::PrivateUse1HooksInterface {
     return at::make_generator<TpuGeneratorImpl>(device_index < 0 ? 0 : device_index);
   }
 
-  void resizePrivateUse1Bytes(const c10::Storage& /*storage*/, size_t newsize) const override {
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        false,
-        "UntypedStorage.resize_(", newsize, ") of a tpu storage is not supported: its memory is a jax.Array "
-        "held by the storage's Python object, not a host or device allocation torch can resize; "
-        "FSDP2's free/alloc of unsharded parameters are handled by tpudist.device._fsdp");
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex device_index) const override {
+    TORCH_CHECK(device_index <= 0, "the tpu device has one default generator (tpu:0); got device index ",
+                static_cast<int>(device_index));
+    static auto* generator = new at::Generator(at::make_generator<TpuGeneratorImpl>(0));  // lives as long as torch
+    return *generator;
+  }
+
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    {
+      pybind11::gil_scoped_acquire gil;
+      TORCH_CHECK(g_resize != nullptr, "UntypedStorage.resize_(", newsize, ") of a tpu storage: tpudist.device "
+                  "registered no resize function (tpudist_set_resize_callback)");
+      THPObjectPtr py_storage(THPStorage_Wrap(storage));
+      if (!py_storage) {
+        throw python_error();
+      }
+      THPObjectPtr result(PyObject_CallFunction(g_resize, "OK", py_storage.get(),
+                                                static_cast<unsigned long long>(newsize)));
+      if (!result) {
+        throw python_error();
+      }
+    }
+    set_storage_bytes(*storage.unsafeGetStorageImpl(), newsize);
   }
 };
 
@@ -226,4 +264,37 @@ extern "C" int tpudist_hooks_registered() {
 // Bytes in live blocks of the pinned host allocator (tests: the allocator is used, and frees).
 extern "C" int64_t tpudist_pinned_bytes() {
   return PinnedHostAllocator::instance().live_bytes();
+}
+
+// Sets a tpu storage's byte size (``storage`` is a c10::StorageImpl*: UntypedStorage._cdata). 0 on success.
+extern "C" int tpudist_set_storage_bytes(void* storage, int64_t nbytes) {
+  if (storage == nullptr || nbytes < 0) {
+    return -1;
+  }
+  set_storage_bytes(*static_cast<c10::StorageImpl*>(storage), static_cast<size_t>(nbytes));
+  return 0;
+}
+
+// Registers resize(storage, nbytes), called by resizePrivateUse1Bytes (a new reference is kept). 0 on success.
+extern "C" int tpudist_set_resize_callback(PyObject* resize) {
+  PyGILState_STATE state = PyGILState_Ensure();
+  Py_XINCREF(resize);
+  Py_XSETREF(g_resize, resize);
+  PyGILState_Release(state);
+  return 0;
+}
+
+// The default generator as a torch.Generator (a borrowed reference, made once), or NULL with a Python error set.
+extern "C" PyObject* tpudist_default_generator() {
+  static PyObject* wrapped = nullptr;
+  PyGILState_STATE state = PyGILState_Ensure();
+  if (wrapped == nullptr) {
+    try {
+      wrapped = THPGenerator_initDefaultGenerator(hooks()->getDefaultGenerator(0));
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  }
+  PyGILState_Release(state);
+  return wrapped;
 }
