@@ -329,6 +329,9 @@ def test_functional_of():
     assert functional_of(aten.add.Tensor) is None
     assert functional_of(aten.normal_.default) == aten.normal_functional.default
     assert functional_of(aten.bernoulli_.float) == aten.bernoulli.p
+    # a factory's out= form has no dtype/device arguments: its twin is the overload of the same other arguments
+    assert functional_of(aten.logspace.out) == aten.logspace.default
+    assert functional_of(aten.linspace.Tensor_Tensor_out) == aten.linspace.Tensor_Tensor
 
 
 def test_lowers_overrides_and_restores():

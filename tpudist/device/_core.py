@@ -79,6 +79,8 @@ class Kernel:
         self.written_slots = sorted({leaf_specs[i][1] for i in self.targets})
         self.num_written = len(self.written_slots)
         self.out_names = {a.name for a in op._schema.arguments if a.is_out}  # noqa: SLF001
+        # a factory's out= form (logspace.out) computes in its out tensor's dtype: its twin takes dtype=
+        self.dtype_from_out = form == "out" and _takes_dtype(functional) and not _takes_dtype(op)
         self.single = len(functional._schema.returns) == 1  # noqa: SLF001
         self.jitted = jax.jit(self._run)  # no defaulted parameters: those take jit's slow path
         self.jitted_plain = jax.jit(self._run_plain)
@@ -171,6 +173,8 @@ class Kernel:
                 leaves.append(spec[1])
         args, kwargs = unflatten_args(leaves, self.treedef)
         if self.form == "out":
+            if self.dtype_from_out:
+                kwargs["dtype"] = tops.to_torch_dtype(kwargs[next(iter(self.out_names))].dtype)
             kwargs = {k: v for k, v in kwargs.items() if k not in self.out_names}
         if self.random:
             seed = sc[base + self.n_scalars].astype(jnp.uint32)
@@ -216,6 +220,10 @@ class Kernel:
                 else:
                     flats[slot] = views.write_as(flats[slot], v, sizes, strides, offset)
         return fresh
+
+
+def _takes_dtype(op) -> bool:
+    return any(a.name == "dtype" for a in op._schema.arguments)  # noqa: SLF001
 
 
 def _weak(x):

@@ -128,10 +128,17 @@ def functional_of(op):
         return getattr(base, op._overloadname, None)  # noqa: SLF001
     if op._schema.is_mutable and any(a.is_out for a in op._schema.arguments):  # noqa: SLF001
         packet = getattr(torch.ops.aten, packet_name)
-        want = [a.name for a in op._schema.arguments if not a.is_out]  # noqa: SLF001
+        want = [(a.name, str(a.type)) for a in op._schema.arguments if not a.is_out]  # noqa: SLF001
+        wanted = {name for name, _ in want}
         for name in packet.overloads():
             candidate = getattr(packet, name)
             schema = candidate._schema  # noqa: SLF001
-            if not schema.is_mutable and [a.name for a in schema.arguments] == want:
+            # a factory's out= form has no tensor options: the out tensor says where and of what dtype
+            # (``logspace.out`` -> ``logspace.default``)
+            args = [(a.name, str(a.type)) for a in schema.arguments if a.name not in _TENSOR_OPTIONS or a.name in wanted]
+            if not schema.is_mutable and args == want:
                 return candidate
     return None
+
+
+_TENSOR_OPTIONS = frozenset(("dtype", "layout", "device", "pin_memory"))
