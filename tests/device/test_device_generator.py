@@ -11,6 +11,9 @@ state replays, the distributions are right, and a generator of another device ra
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -231,3 +234,64 @@ def test_a_compiled_function_draws_from_the_generator():
     assert got.equal(noisy(x).cpu())
     g.manual_seed(4)
     assert not compiled(x).cpu().equal(got)
+
+
+# -- the default stream: the hooks' getDefaultGenerator ----------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"], indirect=True)
+def test_the_default_stream_is_the_devices_default_generator(mode):
+    """``torch.tpu.default_generators[0]`` (as ``torch.cuda.default_generators[0]``) is the stream random ops
+    without ``generator=`` draw from: ``torch.manual_seed``/``torch.tpu.manual_seed`` seed it, its state is
+    ``torch.tpu.get_rng_state()``, and it draws what a tpu generator of the same seed draws."""
+    (g,) = torch.tpu.default_generators
+    assert isinstance(g, torch.Generator) and g.device == torch.device("tpu", 0)
+    assert torch.tpu.default_generators[0] is g
+    torch.manual_seed(11)
+    assert (g.initial_seed(), g.get_offset(), torch.tpu.initial_seed()) == (11, 0, 11)
+    first = [torch.randn(4, device="tpu").cpu(), torch.randint(0, 100, (5,), device="tpu").cpu()]
+    assert g.get_offset() == 2
+    assert torch.tpu.get_rng_state().equal(g.get_state())
+    mine = _tpu(11)
+    assert torch.randn(4, device="tpu", generator=mine).cpu().equal(first[0])
+    assert torch.randint(0, 100, (5,), device="tpu", generator=mine).cpu().equal(first[1])
+    g.manual_seed(11)  # seeding the generator is seeding the default stream
+    assert torch.randn(4, device="tpu").cpu().equal(first[0])
+    torch.tpu.manual_seed(12)
+    assert g.initial_seed() == 12 and not torch.randn(4, device="tpu").cpu().equal(first[0])
+    torch.tpu.seed()
+    assert g.initial_seed() == torch.tpu.initial_seed() != 12 and g.get_offset() == 0
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"], indirect=True)
+def test_fork_rng_and_saved_states_restore_the_default_stream(mode):
+    torch.manual_seed(3)
+    torch.rand(2, device="tpu")
+    state = torch.tpu.get_rng_state()
+    with torch.random.fork_rng(device_type="tpu"):
+        inside = torch.randn(6, device="tpu").cpu()
+        torch.tpu.manual_seed(99)
+        torch.randn(6, device="tpu")
+    assert torch.tpu.get_rng_state().equal(state)
+    assert torch.randn(6, device="tpu").cpu().equal(inside)  # the stream went on from where the fork began
+    torch.tpu.set_rng_state(state)
+    assert torch.randn(6, device="tpu").cpu().equal(inside)
+    assert state.view(torch.int64).tolist() == [3, 1]  # seed and the ops drawn (a tpu generator's 16 bytes)
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        torch.tpu.set_rng_state(torch.zeros(8, dtype=torch.uint8))
+
+
+_FRESH = """
+import torch, tpudist.device
+unseeded = torch.randn(5, device="tpu").cpu()
+print(torch.tpu.initial_seed(), torch.randn(5, device="tpu", generator=torch.Generator("tpu")).cpu().equal(unseeded))
+"""
+
+
+def test_an_unseeded_process_starts_from_torchs_default_seed():
+    """As on CPU and CUDA: an unseeded default stream has torch's default seed, so it draws what a new
+    generator draws."""
+    result = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(torch.Generator().initial_seed()), "True"]

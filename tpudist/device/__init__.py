@@ -52,6 +52,7 @@ def _install() -> None:
     _setup_privateuseone_for_python_backend(_NAME, backend_module=module)
     if cpp_hooks:
         _storage.connect_hooks()
+        _module.use_default_generator(module, _hooks.default_generator())
     _kernels.register()
     _autocast.register()
     _attention.register()

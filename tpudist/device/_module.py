@@ -80,26 +80,27 @@ manual_seed_all = manual_seed
 
 
 def seed() -> None:
-    import random
-
-    manual_seed(random.getrandbits(32))
+    with rt.LOCK:
+        rt.default.seed()
 
 
 seed_all = seed
 
 
 def initial_seed() -> int:
-    return rt.seed
+    return rt.default.initial_seed()
 
 
 def get_rng_state(device=None) -> torch.Tensor:
-    return torch.tensor([rt.seed, rt.counter], dtype=torch.int64).view(torch.uint8)
+    """The default stream's state: 16 bytes, its seed and the number of random ops drawn since (a tpu
+    ``torch.Generator``'s state)."""
+    with rt.LOCK:
+        return rt.default.get_state()
 
 
 def set_rng_state(state: torch.Tensor, device=None) -> None:
-    seed_value, count = state.view(torch.int64).tolist()
     with rt.LOCK:
-        rt.seed, rt.counter = int(seed_value), int(count)
+        rt.default.set_state(state)
 
 
 def get_rng_state_all() -> list:
@@ -529,9 +530,19 @@ def stream(s=None):
     yield s
 
 
+default_generators: tuple = ()  # (the device's default torch.Generator,) with the C++ hooks, as torch.cuda's
+
+
 def build_module() -> types.ModuleType:
     module = types.ModuleType("torch.tpu", __doc__)
     for name, value in list(globals().items()):
-        if not name.startswith("__") and name not in ("build_module", "contextlib", "types", "torch", "rt"):
+        if not name.startswith("__") and name not in ("build_module", "use_default_generator", "contextlib", "types",
+                                                      "torch", "rt"):
             setattr(module, name, value)
     return module
+
+
+def use_default_generator(module: types.ModuleType, generator: torch.Generator) -> None:
+    """The C++ hooks' default generator becomes the device's default stream and ``torch.tpu.default_generators``."""
+    rt.use_default_generator(generator)
+    module.default_generators = (generator,)

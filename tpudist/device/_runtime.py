@@ -28,11 +28,9 @@ _nan_check = os.environ.get("TPUDIST_DEBUG_NANS", "") == "1"
 _cpu_fallback = os.environ.get("TPUDIST_CPU_FALLBACK", "") == "1"
 _DYNAMIC_ENV = "TPUDIST_DYNAMIC_SCALARS"
 _dynamic_scalars = os.environ.get(_DYNAMIC_ENV, "1") != "0"
-seed = 0
 peak_bytes = 0  # the highest memory_allocated() seen (torch.tpu.max_memory_allocated)
 peak_reserved_bytes = 0  # the highest memory_reserved() seen (torch.tpu.max_memory_reserved)
 allocator_peak_at_reset = 0  # JAX's peak_bytes_in_use at the last reset_peak_memory_stats (it never resets)
-counter = 0  # random ops drawn since the last seed: each op's key is fold_in(key(seed), counter)
 stats = Counter()
 fallback_ops = Counter()
 _warned: set[str] = set()
@@ -160,14 +158,66 @@ def warn_fallback(name: str) -> None:
 
 
 _SEED_MASK = 0xFFFFFFFF  # keys are jax.random.key(uint32 seed): the seed's low 32 bits
-_generator = None  # the tpu torch.Generator the running op draws from; None: the default stream above
+DEFAULT_SEED = 67280421310721  # torch's default seed (c10::default_rng_seed_val), as CPU's and CUDA's generators
+_generator = None  # the tpu torch.Generator the running op draws from; None: the default stream
 _drawn = False  # whether the running op drew from _generator
 
 
+class HostStream:
+    """The default stream where the C++ hooks (and so the device's default ``torch.Generator``) are missing:
+    a seed and an offset behind the part of the Generator API the device uses."""
+
+    def __init__(self):
+        self._seed, self._offset = DEFAULT_SEED, 0
+
+    def initial_seed(self) -> int:
+        return self._seed
+
+    def manual_seed(self, value: int) -> HostStream:
+        self._seed, self._offset = int(value) & 0xFFFFFFFFFFFFFFFF, 0  # torch's remapping of negative seeds
+        return self
+
+    def seed(self) -> int:
+        import random
+
+        self.manual_seed(random.getrandbits(64))
+        return self._seed
+
+    def get_offset(self) -> int:
+        return self._offset
+
+    def set_offset(self, offset: int) -> None:
+        self._offset = int(offset)
+
+    def get_state(self):
+        import torch
+
+        return torch.tensor([self._seed, self._offset], dtype=torch.uint64).view(torch.uint8)
+
+    def set_state(self, state) -> None:
+        import torch
+
+        if state.dtype != torch.uint8 or state.numel() != 16:
+            raise RuntimeError(f"a tpu random state is 16 bytes of torch.uint8 (seed and offset, as get_rng_state "
+                               f"returns them); got {state.numel()} elements of {state.dtype}")
+        self._seed, self._offset = (int(v) for v in state.view(torch.uint64).tolist())
+
+
+default = HostStream()  # the device's default stream: torch.tpu.default_generators[0] with the C++ hooks
+
+
+def use_default_generator(generator) -> None:
+    """Make ``generator`` (the C++ hooks' ``getDefaultGenerator``) the device's default stream."""
+    global default
+    default = generator
+
+
 def next_rng(args=()) -> tuple[int, int]:
-    """(seed, counter) of the running random op: the key is fold_in(key(seed), counter). ``args`` are the
-    op's positional arguments: a few ops (``poisson``, ``rrelu_with_noise``) take their generator there."""
-    global counter, _drawn
+    """(seed, offset) of the running random op: the key is fold_in(key(seed), offset), where offset counts
+    the ops drawn from the op's generator (its ``generator=``, else the default stream) since its seed, this
+    one included. ``args`` are the op's positional arguments: a few ops (``poisson``, ``rrelu_with_noise``)
+    take their generator there. A generator seeded s draws what the default stream seeded s draws."""
+    global _drawn
     generator = _generator
     if generator is None:
         for a in args:  # a loop, not next(genexpr): this runs for every random op (~8x cheaper)
@@ -176,18 +226,16 @@ def next_rng(args=()) -> tuple[int, int]:
                 generator = a
                 break
     if generator is not None:
-        # a tpu Generator's offset counts the ops drawn from it, as ``counter`` does for the default stream
-        offset = generator.get_offset() + 1
-        generator.set_offset(offset)
         _drawn = True
-        return generator.initial_seed() & _SEED_MASK, offset
-    counter += 1
-    return seed, counter
+    else:
+        generator = default
+    offset = generator.get_offset() + 1
+    generator.set_offset(offset)
+    return generator.initial_seed() & _SEED_MASK, offset
 
 
 def manual_seed(value: int) -> None:
-    global seed, counter
-    seed, counter = int(value) & _SEED_MASK, 0
+    default.manual_seed(int(value))
 
 
 def _check_device(generator, op) -> None:
