@@ -49,6 +49,7 @@ _OPS = {
     "multinomial": lambda g: torch.multinomial(torch.ones(12, device="tpu"), 6, generator=g),
     "multinomial_replacement": lambda g: torch.multinomial(torch.ones(12, device="tpu"), 6, replacement=True,
                                                            generator=g),
+    "poisson": lambda g: torch.poisson(torch.full((16,), 3.0, device="tpu"), g),  # the generator positional
 }
 
 
@@ -91,7 +92,8 @@ def test_an_op_draws_from_its_generator_alone(name):
     assert draw(None).cpu().equal(first)
 
 
-@pytest.mark.parametrize("name", ["randn", "randint_low_high", "normal_", "bernoulli_", "randperm", "multinomial"])
+@pytest.mark.parametrize("name", ["randn", "randint_low_high", "normal_", "bernoulli_", "randperm", "multinomial",
+                                  "poisson"])
 def test_strict_and_fused_draw_the_same_numbers(name):
     got = {}
     previous = torch.tpu.get_eager_mode()
@@ -154,6 +156,13 @@ def test_distributions_of_a_large_draw():
     assert abs(coins.mean().item() - 0.25) < 0.005
     picks = torch.multinomial(torch.tensor([1.0, 2.0, 7.0], device="tpu"), n, replacement=True, generator=g).cpu()
     assert (torch.bincount(picks).double() / n - torch.tensor([0.1, 0.2, 0.7], dtype=torch.float64)).abs().max() < 0.005
+    rates = torch.tensor([0.0, 0.5, 3.0, 40.0])
+    counts = torch.poisson(rates.to("tpu").expand(n, 4), g).cpu().double()
+    reference = torch.poisson(rates.expand(n, 4), torch.Generator().manual_seed(0)).double()  # CPU eager's law
+    assert counts.dtype == reference.dtype and bool((counts == counts.round()).all()) and counts.min().item() >= 0
+    assert (counts[:, 0] == 0).all()
+    for stat in (torch.mean, torch.var):  # Poisson(r): mean r, variance r; 5 standard errors of the two draws
+        assert ((stat(counts, 0) - stat(reference, 0)).abs() <= 5 * (4 * rates + 1) / n ** 0.5).all(), stat
     assert sorted(torch.randperm(1000, device="tpu", generator=g).cpu().tolist()) == list(range(1000))
 
 
@@ -181,7 +190,7 @@ def test_an_op_run_by_the_cpu_fallback_refuses_the_generator(monkeypatch):
 
     torch.tpu.set_cpu_fallback(True)
     try:
-        x = torch.zeros(13, device="tpu")
+        x, rates = torch.zeros(13, device="tpu"), torch.full((4,), 3.0, device="tpu")
         with monkeypatch.context() as patch, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the fallback's own warning, once per op and process
             patch.setattr(_execute, "_KERNELS", {})
@@ -189,10 +198,9 @@ def test_an_op_run_by_the_cpu_fallback_refuses_the_generator(monkeypatch):
             assert x.clone().normal_().device.type == "tpu"  # the fallback itself works
             with pytest.raises(NotImplementedError, match="ran without drawing from the generator"):
                 x.clone().normal_(generator=_tpu(1))
-        # poisson has no lowering and takes its generator positionally: torch's CPU kernel refuses it
-        with warnings.catch_warnings(), pytest.raises(RuntimeError, match="Expected a 'cpu' device type"):
-            warnings.simplefilter("ignore")
-            torch.poisson(torch.full((4,), 3.0, device="tpu"), _tpu(1))
+            # an op taking its generator positionally (poisson): torch's CPU kernel refuses the tpu generator
+            with pytest.raises(RuntimeError, match="Expected a 'cpu' device type"):
+                torch.poisson(rates, _tpu(1))
     finally:
         torch.tpu.set_cpu_fallback(False)
 

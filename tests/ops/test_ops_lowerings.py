@@ -117,6 +117,7 @@ for _name in ["add", "sub", "mul", "eq", "ne", "lt", "le", "gt", "ge"]:
 for _name in ["bitwise_and", "bitwise_or", "bitwise_xor"]:
     DIRECT.append((getattr(prims, _name).default, (I, I.flip(0)), {}))
 DIRECT.append((prims.bitwise_not.default, (I,), {}))
+DIRECT.append((aten.logspace.default, (-1.0, 2.0, 7), {"base": 2.0}))  # bit for bit in tests/device/test_device_factories
 # group norm's backward (its OpInfo's backward runs torch's twice-differentiable composite instead)
 _GN_X, _GN_W, _GN_DY = _t(3, 6, 7), _t(6), _t(3, 6, 7)
 _, _GN_MEAN, _GN_RSTD = aten.native_group_norm(_GN_X, _GN_W, None, 3, 6, 7, 3, 1e-5)
@@ -178,6 +179,7 @@ RANDOM = [
     (aten.exponential.default, (torch.zeros(4000), 2.0), {}),
     (aten.randperm.default, (4000,), {}), (aten.randperm.generator, (4000,), {"generator": None}),
     (aten.multinomial.default, (torch.tensor([0.1, 0.2, 0.7]), 4000, True), {}),
+    (aten.poisson.default, (torch.full((4000,), 3.5),), {}),
 ]
 
 

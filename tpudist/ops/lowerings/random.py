@@ -130,6 +130,15 @@ def exponential(x, lambd=1.0, *, generator=None):
     return jax.random.exponential(next_key(), x.shape, jnp.promote_types(x.dtype, jnp.float32)) / lambd
 
 
+@lowers(aten.poisson.default)
+def poisson(rates, generator=None):
+    """One Poisson count per rate, in the rates' dtype (JAX draws the counts as integers; 16-bit rates draw in
+    float32). A rate of 0 gives 0. torch's CPU kernel raises on a negative rate: a data-dependent check the
+    device does not make (as it makes no index checks outside Debug mode); JAX returns -1 there."""
+    counts = jax.random.poisson(next_key(), upcast(rates), rates.shape, dtype=jnp.int64)
+    return counts.astype(rates.dtype)
+
+
 @lowers(aten.randperm.default, aten.randperm.generator)
 def randperm(n, *, generator=None, dtype=None, **_placement):
     return jax.random.permutation(next_key(), n).astype(jnp.int64)
