@@ -36,7 +36,8 @@ built_here = False  # whether this process compiled the library (tests: concurre
 
 
 class CppHooksWarning(RuntimeWarning):
-    """The C++ hooks are not in use: pinned host memory allocated in C++ and tpu generators are unavailable."""
+    """The C++ hooks are not in use: pinned host memory allocated in C++, tpu generators and tpu storage sizes are
+    unavailable."""
 
 
 def enabled() -> bool:
@@ -121,7 +122,7 @@ def _fallback(reason: str) -> bool:
         "memory allocated in C++ does not work: DDP(find_unused_parameters=True) and DDP(static_graph=True) on "
         "tpu models, torch.empty(..., pin_memory=True) and torch.Generator(device='tpu') raise (Tensor.pin_memory() "
         "and DataLoader(pin_memory=True) still work; without a tpu generator, seed the device's default stream "
-        "with torch.manual_seed). Fix: install g++ and ninja (the hooks build once per user into "
+        "with torch.manual_seed); tpu storages report 0 bytes, so dcp.async_save of device tensors raises. Fix: install g++ and ninja (the hooks build once per user into "
         f"{build_dir().parent}) and leave TPUDIST_CPP_HOOKS unset.", CppHooksWarning, stacklevel=4)
     return False
 
