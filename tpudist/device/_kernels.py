@@ -390,7 +390,7 @@ def _placed(op):
                     else torch.empty((0,), dtype=x.dtype))
             return op(host, *args, **kwargs)
         with rt.LOCK:
-            out = core.execute(op, (x, *args), kwargs)
+            out = _execute.execute(op, (x, *args), kwargs)
             if like and (not x.is_contiguous() or kwargs.get("memory_format") not in (None, torch.preserve_format)):
                 out = _strided_like(op, x, out, args, kwargs)
         return out
