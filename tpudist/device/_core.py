@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import tpudist.ops as tops
 from tpudist import matmul_precision as precision
+from tpudist.device import _layouts
 from tpudist.device import _runtime as rt
 from tpudist.device import views
 from tpudist.device._storage import (  # noqa: F401  (re-exported: the kernels module uses them from here)
@@ -74,7 +75,7 @@ class Kernel:
         self.plan = plan                # None for a functional op: every result is fresh
         self.targets = [leaf for kind, leaves in plan or () if kind == "write" for leaf in leaves]
         self.n_scalars, self.random = n_scalars, random
-        self.fresh = fresh              # [(shape, torch dtype)] of fresh outputs, after the written slots
+        self.fresh = fresh              # [(shape, torch dtype[, strides])] of fresh outputs, after the written slots
         self.returns = returns          # how to build the Python result from targets/fresh
         self.written_slots = sorted({leaf_specs[i][1] for i in self.targets})
         self.num_written = len(self.written_slots)
@@ -111,10 +112,13 @@ class Kernel:
 
     @fresh.setter
     def fresh(self, value):
-        # the hot paths make each output from (shape, dtype, numel), computed once here
+        # the hot paths make each output from (shape, dtype, numel[, strides]), computed once here; an
+        # output with strides holds its value in their physical order (``orders``: None where that is
+        # row-major)
         self._fresh = value
-        self.outputs = None if value is None else tuple((tuple(shape), dtype, math.prod(shape))
-                                                        for shape, dtype in value)
+        self.outputs = self.orders = None
+        if value is not None:
+            self.outputs, self.orders = zip(*(_output(*entry) for entry in value)) if value else ((), ())
 
     def _run(self, arrays, sc):
         return self.trace(arrays, sc)
@@ -194,7 +198,8 @@ class Kernel:
             fresh = self._write(flats, (result,) if self.single else tuple(result), sc, base)
         if len(fresh) != len(self.fresh):
             raise AssertionError(f"{self.op}: lowering returned {len(fresh)} tensors, torch {len(self.fresh)}")
-        fresh = [_cast(r, shape, dtype).reshape(-1) for r, (shape, dtype) in zip(fresh, self.fresh)]
+        fresh = [_physical(_cast(r, shape, dtype), order)
+                 for r, (shape, dtype, *_), order in zip(fresh, self.fresh, self.orders)]
         return [flats[s] for s in self.written_slots] + fresh
 
     def _write(self, flats, results, sc, base):
@@ -224,6 +229,25 @@ class Kernel:
 
 def _takes_dtype(op) -> bool:
     return any(a.name == "dtype" for a in op._schema.arguments)  # noqa: SLF001
+
+
+def _output(shape, dtype, strides=None):
+    """(output spec, physical order) of a fresh result: contiguous unless ``strides`` (torch's, from the
+    meta kernel) say otherwise and are dense; other layouts (gaps, overlaps) come out contiguous."""
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    if strides is None or tuple(strides) == views.contiguous_strides(shape):
+        return (shape, dtype, numel), None
+    order = views.permuted_order(shape, strides)
+    if order is None:
+        return (shape, dtype, numel), None
+    strides = tuple(strides)
+    return (shape, dtype, numel, strides), None if views.is_contiguous(shape, strides) else order
+
+
+def _physical(value, order):
+    """A result as the flat storage of its layout: row-major, or of ``value.permute(order)``."""
+    return (value if order is None else jnp.transpose(value, order)).reshape(-1)
 
 
 def _weak(x):
@@ -421,7 +445,7 @@ def _build(op, key, leaves):
             flat_meta = [m for (kind, _, _), m in zip(entries, metas) if kind == "fresh"]
             if not all(isinstance(m, torch.Tensor) for m in flat_meta):
                 raise tops.UnsupportedOp(op, " (a mutating op whose other results are not single tensors)")
-            fresh = [(tuple(m.shape), m.dtype) for m in flat_meta]
+            fresh = _fresh_of(op, margs, flat_meta)
         returns = ("mutating", entries)
     elif meta is _NO_META:
         functional, form, plan, fresh, returns = op, "functional", None, None, None
@@ -433,7 +457,7 @@ def _build(op, key, leaves):
         # None results (convolution_backward's or native_batch_norm_backward's masked-off gradients)
         # are not outputs of the program: the kernel drops the lowering's value there
         present = tuple(m is not None for m in flat_meta)
-        fresh = [(tuple(m.shape), m.dtype) for m in flat_meta if m is not None]
+        fresh = _fresh_of(op, margs, [m for m in flat_meta if m is not None])
         returns = ("single", None) if isinstance(meta, torch.Tensor) else ("fresh", meta_def)
     n_scalars = sum(1 for s in sig if s[0] in _RUNTIME_KINDS)
     random = torch.Tag.nondeterministic_seeded in functional.tags
@@ -455,11 +479,20 @@ def _build(op, key, leaves):
                 if kernel.plan is not None:  # run_concrete would drop the op's writes
                     raise tops.UnsupportedOp(op, " (a mutating op whose results' shapes depend on the data)") from e
                 raise _DataDependent() from e
-            kernel.fresh = [(tuple(s.shape), tops.to_torch_dtype(s.dtype)) for s in shapes]
+            found = [tuple(s.shape) for s in shapes]
+            strides = _layouts.result_strides(op, margs, found, [None] * len(found))
+            kernel.fresh = [(shape, tops.to_torch_dtype(s.dtype), st) for shape, s, st in zip(found, shapes, strides)]
             if kernel.plan is None:
                 kernel.returns = ("fresh", kernel.result_def)
         kernel.check(arrays, sc)
     return kernel
+
+
+def _fresh_of(op, margs, metas) -> list:
+    """(shape, dtype, strides) of each fresh result, from torch's meta results (``_layouts``)."""
+    shapes = [tuple(m.shape) for m in metas]
+    strides = _layouts.result_strides(op, margs, shapes, [tuple(m.stride()) for m in metas])
+    return [(shape, m.dtype, s) for shape, m, s in zip(shapes, metas, strides)]
 
 
 def functional_twin(op):

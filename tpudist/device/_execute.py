@@ -19,6 +19,7 @@ import tpudist.ops as tops
 from tpudist import matmul_precision as precision
 from tpudist.device import _fused, _grow, _oom
 from tpudist.device import _runtime as rt
+from tpudist.device import views
 from tpudist.device._core import (
     _F64, _KERNELS, _STATIC_FLOAT_OPS, PRECISION, _DataDependent, _device_mismatch, _Generalised, _resolve,
     _signature, result_of,
@@ -213,11 +214,13 @@ def copy_from_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst (tpu) <- src (cpu), broadcasting and casting like copy_."""
     src = src.detach().to(dst.dtype).expand(dst.shape)
     buf = buffer_of(dst)
-    if (dst.is_contiguous() and dst.storage_offset() == 0 and dst.numel() == buf.numel
-            and dst.dtype == buf.dtype):
-        if isinstance(buf.value, Lazy):
-            flush()
-        buf.value = to_jax(src)
-        return
+    if dst.storage_offset() == 0 and dst.numel() == buf.numel and dst.dtype == buf.dtype:
+        # dst covers its storage, row-major or in another dense order (channels_last): replace it
+        order = None if dst.is_contiguous() else views.permuted_order(dst.shape, dst.stride())
+        if order is not None or dst.is_contiguous():
+            if isinstance(buf.value, Lazy):
+                flush()
+            buf.value = to_jax(src, order)
+            return
     tmp = from_cpu(src)
     execute(aten.copy_.default, (dst, tmp), {})

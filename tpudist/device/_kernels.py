@@ -23,7 +23,7 @@ import torch
 
 import tpudist.ops as tops
 from tpudist.device import _core as core
-from tpudist.device import _execute
+from tpudist.device import _execute, _layouts
 from tpudist.device import _runtime as rt
 from tpudist.device import views
 from tpudist.device._storage import has_buffer
@@ -75,14 +75,19 @@ def _dtype(dtype):
 
 
 def empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    # channels_last and friends come out contiguous: strides of a fresh device tensor do not show in values
-    return core.new_tensor(size, _dtype(dtype))
+    size = tuple(size)
+    if memory_format is None or memory_format == torch.contiguous_format:
+        return core.new_tensor(size, _dtype(dtype))
+    # torch's strides for the format, and torch's error for a format that does not fit the rank
+    return core.new_tensor(size, _dtype(dtype), strides=_layouts.format_strides(size, memory_format))
 
 
 def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
     size, stride = tuple(size), tuple(stride)
-    if views.is_contiguous(size, stride):
+    if views.is_contiguous(size, stride) and stride == views.contiguous_strides(size):
         return core.new_tensor(size, _dtype(dtype))
+    if views.permuted_order(size, stride) is not None:  # dense (channels_last, a transposed layout)
+        return core.new_tensor(size, _dtype(dtype), strides=stride)
     extent = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
     base = core.new_tensor((extent,), _dtype(dtype))
     return aten.as_strided.default.redispatch(core.META, base, size, stride, 0)
@@ -103,13 +108,23 @@ def copy_(dst, src, non_blocking=False):
 
 def to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
             memory_format=None):
+    """``x.to(device, dtype, memory_format=...)``: the result's strides follow torch's ``_to_copy``
+    (``preserve_format`` keeps a dense tensor's strides; ``_layouts.copy_strides``)."""
     target = torch.device(device) if device is not None else x.device
     if target.type == "tpu":
-        if core.is_tpu(x):
-            return _execute.execute(aten._to_copy.default, (x,), {"dtype": dtype})
-        out = core.from_cpu(x if dtype is None else x.to(dtype))
-        return out
-    host = core.to_cpu(x)
+        if core.is_tpu(x):  # the meta kernel gives the strides
+            kwargs = {"dtype": dtype} if memory_format is None else {"dtype": dtype, "memory_format": memory_format}
+            return _execute.execute(aten._to_copy.default, (x,), kwargs)
+        strides = _layouts.copy_strides(x, memory_format)
+        src = x if dtype is None else x.to(dtype)
+        return core.from_cpu(src, None if strides == views.contiguous_strides(x.shape) else strides)
+    strides = _layouts.copy_strides(x, memory_format)
+    if strides == views.contiguous_strides(x.shape):
+        host = core.to_cpu(x)
+    else:  # read the storage in the result's physical order, then give it the strides
+        order = views.permuted_order(x.shape, strides)
+        flat = core.to_cpu(x.permute(order)).reshape(-1)
+        host = torch.empty(0, dtype=flat.dtype).set_(flat.untyped_storage(), 0, tuple(x.shape), strides)
     return host.to(device=target, dtype=dtype if dtype is not None else host.dtype)
 
 

@@ -76,5 +76,5 @@ def buffer_bytes(buffers) -> int:
 
 def kernel_bytes(kernel) -> int:
     """The bytes of a kernel's results: its fresh outputs and the new values of the storages it writes."""
-    fresh = sum(numel * dtype.itemsize for _, dtype, numel in kernel.outputs or ())
+    fresh = sum(numel * dtype.itemsize for _, dtype, numel, *_ in kernel.outputs or ())
     return fresh + sum(kernel.slots[s][0] * kernel.slots[s][1].itemsize for s in kernel.written_slots)

@@ -59,8 +59,11 @@ def is_tpu(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "tpu"
 
 
-def new_tensor(shape, dtype: torch.dtype, value=None, numel: int | None = None) -> torch.Tensor:
-    t = torch._C._acc.create_empty_tensor(tuple(int(s) for s in shape), dtype)  # noqa: SLF001
+def new_tensor(shape, dtype: torch.dtype, value=None, numel: int | None = None, strides=None) -> torch.Tensor:
+    """A tensor of ``shape`` over a new storage holding ``value``: contiguous, or of the dense ``strides``
+    (then ``value`` holds the elements in that physical order: ``views.permuted_order``)."""
+    shape = tuple(int(s) for s in shape)
+    t = create_empty(shape, dtype, None if strides is None else tuple(int(s) for s in strides))
     attach(t, Buffer(math.prod(shape) if numel is None else numel, dtype, value))
     return t
 
@@ -109,12 +112,27 @@ def resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
 _create_empty = torch._C._acc.create_empty_tensor  # noqa: SLF001
 
 
+def _create_empty_py(shape: tuple, dtype: torch.dtype, strides: tuple | None = None) -> torch.Tensor:
+    """A tensor of ``shape`` and ``strides`` (contiguous for None) over an empty PrivateUse1 storage.
+    ``create_empty`` is this function in C++ (``csrc/fastpath.cpp``) where that built."""
+    t = _create_empty(shape, dtype)
+    if strides is None:
+        return t
+    # the Meta kernel restrides without a view's autograd bookkeeping: a plain tensor over t's storage
+    return torch.ops.aten.as_strided.default.redispatch(_META, t, shape, strides, 0)
+
+
+_META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)  # noqa: SLF001
+
+
 # -- host <-> device ---------------------------------------------------------------------------------
 
 
-def to_jax(t: torch.Tensor):
-    """A CPU tensor's values as a flat jax.Array on the device (a copy: torch keeps its memory)."""
+def to_jax(t: torch.Tensor, order=None):
+    """A CPU tensor's values as a flat jax.Array on the device (a copy: torch keeps its memory), in
+    row-major order of ``t.permute(order)`` where ``order`` is given (a storage's physical order)."""
     t = t.detach()
+    t = t.permute(order) if order is not None else t
     t = t.clone() if t.is_contiguous() else t.contiguous()
     if t.dtype == torch.bfloat16:
         host = t.view(torch.int16).numpy().view(jnp.bfloat16)
@@ -216,8 +234,14 @@ def to_cpu(t: torch.Tensor) -> torch.Tensor:
     return to_torch(value_of(t)).reshape(t.shape)
 
 
-def from_cpu(t: torch.Tensor) -> torch.Tensor:
-    return new_tensor(tuple(t.shape), t.dtype, to_jax(t))
+def from_cpu(t: torch.Tensor, strides: tuple | None = None) -> torch.Tensor:
+    """A device copy of the CPU tensor ``t``: contiguous, or of the dense ``strides``."""
+    if strides is None:
+        return new_tensor(tuple(t.shape), t.dtype, to_jax(t))
+    order = views.permuted_order(t.shape, strides)
+    if order is None:
+        raise AssertionError(f"strides={strides} of a {tuple(t.shape)} tensor are not a dense layout")
+    return new_tensor(tuple(t.shape), t.dtype, to_jax(t, order), strides=strides)
 
 
 class Lazy:
@@ -246,14 +270,15 @@ def flush() -> None:
 
 
 def _outputs_py(outputs, values, graph, index, written):
-    """An op's fresh tensors: one per (shape, dtype, numel) of ``outputs``, over a new storage holding
+    """An op's fresh tensors: one per (shape, dtype, numel[, strides]) of ``outputs`` (contiguous
+    without strides), over a new storage holding
     ``Buffer(numel, dtype, value)``; ``value`` is ``values[i]`` (Strict: the kernel's arrays) or, with
     ``values`` None, ``Lazy(graph, index + i)`` (Fused), whose buffer is then added to ``written``
     (weakly). ``outputs`` is this function in C++ (``csrc/fastpath.cpp``) where that built."""
     fresh = []
-    for i, (shape, dtype, numel) in enumerate(outputs):
+    for i, (shape, dtype, numel, *strides) in enumerate(outputs):
         b = Buffer(numel, dtype, Lazy(graph, index + i) if values is None else values[i])
-        t = _create_empty(shape, dtype)
+        t = create_empty(shape, dtype, *strides)
         attach(t, b)
         fresh.append(t)
         if values is None:
@@ -263,10 +288,10 @@ def _outputs_py(outputs, values, graph, index, written):
 
 _weakref = weakref.ref
 _fast = _fastpath.load()  # the C++ hot path (tpudist/device/_fastpath.py), or None
-outputs = _outputs_py
+outputs, create_empty = _outputs_py, _create_empty_py
 if _fast is not None:
     _fast.init_outputs(Buffer, Lazy, _create_empty, _ATTR)
-    outputs = _fast.outputs
+    outputs, create_empty = _fast.outputs, _fast.create_empty
 
 
 def connect_hooks() -> None:

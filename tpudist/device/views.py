@@ -37,6 +37,34 @@ def is_contiguous(sizes, strides) -> bool:
     return True
 
 
+def permuted_order(sizes, strides) -> tuple[int, ...] | None:
+    """The dim order, outermost first, of a dense layout: the dims sorted so that ``strides`` are the
+    contiguous strides of the sizes in that order (size-1 dims, whose strides are never used, sit where
+    their stride puts them). None where the layout has gaps or overlaps (no permutation makes it dense).
+
+    channels_last ``(N, C, H, W)`` with strides ``(HWC, 1, WC, C)`` is ``(0, 2, 3, 1)``: its storage
+    holds the ``(N, H, W, C)`` array in row-major order.
+    """
+    sizes, strides = tuple(sizes), tuple(strides)
+    order = tuple(sorted(range(len(sizes)), key=lambda d: (-strides[d], d)))
+    if 0 in sizes:  # no elements: any layout is dense
+        return order
+    expected = 1
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != expected:
+            return None
+        expected *= sizes[d]
+    return order
+
+
+def inverse(order) -> tuple[int, ...]:
+    """The permutation that undoes ``order`` (``x.permute(order).permute(inverse(order))`` is ``x``)."""
+    back = [0] * len(order)
+    for i, d in enumerate(order):
+        back[d] = i
+    return tuple(back)
+
+
 def _plan(sizes, strides):
     """Dims that matter (size > 1, stride > 0), outermost stride first; None if they overlap.
 
@@ -110,6 +138,10 @@ def read(flat, sizes, strides, offset):
         return jnp.zeros(sizes, flat.dtype)
     if is_contiguous(sizes, strides):
         return _span(flat, offset, numel).reshape(sizes)
+    order = permuted_order(sizes, strides)
+    if order is not None:  # a dense permuted layout (channels_last, a transpose of a whole tensor)
+        physical = _span(flat, offset, numel).reshape([sizes[d] for d in order])
+        return jnp.transpose(physical, inverse(order))
     dims = _plan(sizes, strides)
     if dims is None:  # overlapping view (unfold, as_strided tricks): one gather
         return flat[_element_index(sizes, strides, offset)]
@@ -145,6 +177,12 @@ def write(flat, value, sizes, strides, offset):
         if offset == 0 and numel == flat.shape[0]:
             return value.reshape(-1)
         return lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
+    order = permuted_order(sizes, strides)
+    if order is not None:
+        physical = jnp.transpose(value, order).reshape(-1)
+        if offset == 0 and numel == flat.shape[0]:
+            return physical
+        return lax.dynamic_update_slice(flat, physical, (offset,))
     dims = _plan(sizes, strides)
     if dims is None:
         index = _element_index(sizes, strides, offset)

@@ -294,29 +294,47 @@ PyObject* signature(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc
   return PyObject_Vectorcall(g_python_signature, argv, 4, nullptr);
 }
 
-// torch._C._acc.create_empty_tensor(shape, dtype) without pybind11's argument conversion: a contiguous
-// PrivateUse1 tensor of ``shape`` over an empty storage (torch/csrc/acc/Module.cpp, createEmptyTensor;
-// test_device_fastpath compares the two tensors' metadata). nullptr with a Python error set.
-PyObject* create_empty(PyObject* shape, PyObject* dtype) {
-  if (!PyTuple_CheckExact(shape) || !THPDtype_Check(dtype)) {
+// Reads a tuple of Python ints into ``out``; false (no error set) if it is not a tuple of exact ints.
+bool int_tuple(PyObject* tuple, std::vector<int64_t>& out) {
+  if (!PyTuple_CheckExact(tuple)) return false;
+  Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+  out.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(tuple, i);
+    if (!PyLong_CheckExact(item)) return false;
+    out[i] = PyLong_AsLongLong(item);
+    if (out[i] == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+  }
+  return true;
+}
+
+// torch._C._acc.create_empty_tensor(shape, dtype) without pybind11's argument conversion: a PrivateUse1
+// tensor of ``shape`` over an empty storage (torch/csrc/acc/Module.cpp, createEmptyTensor;
+// test_device_fastpath compares the two tensors' metadata), contiguous or with the given ``strides`` (a
+// tuple; None: contiguous), as _storage._create_empty_py makes it. nullptr with a Python error set.
+PyObject* create_empty(PyObject* shape, PyObject* dtype, PyObject* stride_tuple = Py_None) {
+  std::vector<int64_t> sizes, strides;
+  bool plain = THPDtype_Check(dtype) && int_tuple(shape, sizes) &&
+               (stride_tuple == Py_None || (int_tuple(stride_tuple, strides) && strides.size() == sizes.size()));
+  if (!plain) {
+    if (stride_tuple != Py_None) {
+      PyErr_Format(PyExc_TypeError, "create_empty(shape, dtype, strides): shape and strides must be tuples of "
+                   "ints of one length, got shape=%R, strides=%R", shape, stride_tuple);
+      return nullptr;
+    }
     PyObject* call_args[2] = {shape, dtype};
     return PyObject_Vectorcall(g_create_empty, call_args, 2, nullptr);
   }
-  Py_ssize_t dim = PyTuple_GET_SIZE(shape);
-  std::vector<int64_t> sizes(dim), strides(dim);
-  for (Py_ssize_t i = 0; i < dim; ++i) {
-    PyObject* item = PyTuple_GET_ITEM(shape, i);
-    if (!PyLong_CheckExact(item)) {
-      PyObject* call_args[2] = {shape, dtype};
-      return PyObject_Vectorcall(g_create_empty, call_args, 2, nullptr);
+  if (stride_tuple == Py_None) {
+    strides.resize(sizes.size());
+    int64_t numel = 1;
+    for (size_t i = sizes.size(); i > 0; --i) {
+      strides[i - 1] = numel;
+      numel *= sizes[i - 1];
     }
-    sizes[i] = PyLong_AsLongLong(item);
-    if (sizes[i] == -1 && PyErr_Occurred()) return nullptr;
-  }
-  int64_t numel = 1;
-  for (Py_ssize_t i = dim; i > 0; --i) {
-    strides[i - 1] = numel;
-    numel *= sizes[i - 1];
   }
   try {
     c10::Storage storage{c10::Storage::use_byte_size_t{}, 0, c10::GetAllocator(c10::kMeta), true};
@@ -333,11 +351,11 @@ PyObject* create_empty(PyObject* shape, PyObject* dtype) {
 }
 
 PyObject* create_empty_py(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
-  if (argc != 2) {
-    PyErr_SetString(PyExc_TypeError, "create_empty(shape, dtype)");
+  if (argc != 2 && argc != 3) {
+    PyErr_SetString(PyExc_TypeError, "create_empty(shape, dtype, strides=None)");
     return nullptr;
   }
-  return create_empty(argv[0], argv[1]);
+  return create_empty(argv[0], argv[1], argc == 3 ? argv[2] : Py_None);
 }
 
 // An instance of a __slots__ class with the given slots set, without running its __init__ (a Python
@@ -352,7 +370,7 @@ PyObject* new_slotted(PyTypeObject* type, std::initializer_list<std::pair<PyObje
 }
 
 // outputs(outputs, values, graph, index, written) -> [tensor, ...]: a fresh tensor per (shape, dtype,
-// numel) of ``outputs`` over a new storage holding Buffer(numel, dtype, value). value is values[i]
+// numel[, strides]) of ``outputs`` over a new storage holding Buffer(numel, dtype, value). value is values[i]
 // (Strict: the kernel's arrays) or, with values None, Lazy(graph, index + i) (Fused), and then a
 // weakref to the buffer is appended to ``written``. What _fused.record and _execute._dispatch did in Python.
 PyObject* outputs(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
@@ -379,11 +397,12 @@ PyObject* outputs(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) 
   if (!fresh.p) return nullptr;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* spec = PyTuple_GET_ITEM(specs, i);
-    if (!PyTuple_CheckExact(spec) || PyTuple_GET_SIZE(spec) != 3) {
-      PyErr_SetString(PyExc_TypeError, "outputs(): each output is (shape, dtype, numel)");
+    if (!PyTuple_CheckExact(spec) || (PyTuple_GET_SIZE(spec) != 3 && PyTuple_GET_SIZE(spec) != 4)) {
+      PyErr_SetString(PyExc_TypeError, "outputs(): each output is (shape, dtype, numel[, strides])");
       return nullptr;
     }
     PyObject *shape = PyTuple_GET_ITEM(spec, 0), *dtype = PyTuple_GET_ITEM(spec, 1), *numel = PyTuple_GET_ITEM(spec, 2);
+    PyObject* strides = PyTuple_GET_SIZE(spec) == 4 ? PyTuple_GET_ITEM(spec, 3) : Py_None;
     Ref value;
     if (values == Py_None) {
       Ref position(PyLong_FromSsize_t(index + i));
@@ -395,7 +414,7 @@ PyObject* outputs(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) 
     if (!value.p) return nullptr;
     Ref buf(new_slotted(g_buffer_type, {{s_value, value.p}, {s_numel, numel}, {s_dtype, dtype}}));
     if (!buf.p) return nullptr;
-    Ref tensor(create_empty(shape, dtype));
+    Ref tensor(create_empty(shape, dtype, strides));
     if (!tensor.p) return nullptr;
     if (!THPVariable_Check(tensor.p)) {
       PyErr_SetString(PyExc_TypeError, "outputs(): create_empty_tensor did not return a tensor");
@@ -472,7 +491,8 @@ PyMethodDef methods[] = {
     {"outputs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(outputs)), METH_FASTCALL,
      "outputs(outputs, values, graph, index, written) -> fresh tensors over new Buffers"},
     {"create_empty", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(create_empty_py)), METH_FASTCALL,
-     "create_empty(shape: tuple, dtype) -> torch._C._acc.create_empty_tensor(shape, dtype), without pybind11"},
+     "create_empty(shape: tuple, dtype, strides: tuple | None = None) -> a tensor over an empty storage, as "
+     "torch._C._acc.create_empty_tensor(shape, dtype) makes it (contiguous) or of the given strides"},
     {"init_outputs", init_outputs, METH_VARARGS, "init_outputs(buffer_type, lazy_type, create_empty_tensor, attr, set_storage_bytes=0)"},
     {nullptr, nullptr, 0, nullptr},
 };
