@@ -60,6 +60,7 @@ def _workloads():
         torch.where(a > 0, a, b), torch.clamp(a, min=-0.5, max=0.5), F.softmax(a, -1), a.to(torch.bfloat16),
         torch.nn.Parameter(a.clone()) * 2, torch.addcmul(a, a, b, value=0.3), a.index_select(0, i[:, 0].abs()),
         F.pad(a, [1, 2]), a.sum(), a.mean(dim=[0, 1]),
+        a.reshape(1, 6, 5, 1).contiguous(memory_format=torch.channels_last) * 2,  # a fresh output with strides
     ]
     outs.append(torch.tensor(3.0).to("tpu") * a)  # a 0-dim tpu tensor
     model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.LayerNorm(8), torch.nn.GELU(),
@@ -194,7 +195,7 @@ def test_workloads_match_with_and_without_the_cpp_signature():
             results.append((active, pool.run(_workloads)[0]))
     assert results[1][0] is False
     for got, want in zip(results[0][1], results[1][1]):
-        assert torch.equal(got, want)
+        assert torch.equal(got, want) and got.stride() == want.stride()
 
 
 def _empty_tensors_alike():
@@ -218,3 +219,34 @@ def test_cpp_empty_tensor_is_torchs(dev):
     if not dev(_fast_in_use):
         pytest.skip("the C++ fastpath did not build here")
     assert dev(_empty_tensors_alike) == []
+
+
+def _strided_empty_tensors_alike():
+    """C++ create_empty with strides against its Python twin (_storage._create_empty_py): the same
+    metadata, neither a view; and the error for strides that do not fit the shape."""
+    from tpudist.device import _core, _storage
+
+    diffs = []
+    for shape, strides, dtype in (((2, 3, 5, 4), (60, 1, 12, 3), torch.float32), ((4, 6), (1, 4), torch.int64),
+                                  ((2, 3, 2, 2, 2), (24, 1, 12, 6, 3), torch.bfloat16), ((3,), (1,), torch.bool)):
+        got, want = _core._fast.create_empty(shape, dtype, strides), _storage._create_empty_py(shape, dtype, strides)
+        for fact in (lambda t: type(t), lambda t: t.device, lambda t: t.dtype, lambda t: t.shape, lambda t: t.stride(),
+                     lambda t: t.storage_offset(), lambda t: t.untyped_storage().nbytes(),
+                     lambda t: str(torch._C._dispatch_keys(t)), lambda t: t.requires_grad, lambda t: t._is_view(),
+                     lambda t: t.is_contiguous(), lambda t: t.dim() == 4 and t.is_contiguous(
+                         memory_format=torch.channels_last), lambda t: t.layout):
+            if fact(got) != fact(want):
+                diffs.append((shape, strides, dtype, fact(got), fact(want)))
+    try:
+        _core._fast.create_empty((2, 3), torch.float32, (1,))
+        diffs.append("strides of another length were accepted")
+    except TypeError as e:
+        if "shape and strides must be tuples of ints of one length" not in str(e):
+            diffs.append(str(e))
+    return diffs
+
+
+def test_cpp_strided_empty_tensor_is_the_python_ones(dev):
+    if not dev(_fast_in_use):
+        pytest.skip("the C++ fastpath did not build here")
+    assert dev(_strided_empty_tensors_alike) == []
