@@ -39,7 +39,7 @@ def _assert_names_sizes_and_fix(e: torch.OutOfMemoryError, what: str) -> None:
 def _kernel_of(op, shape) -> _core.Kernel:
     """The Strict kernel of ``op`` whose result has ``shape`` (each test's shapes are its own)."""
     found = [k for k in _core._KERNELS.values()  # noqa: SLF001
-             if isinstance(k, _core.Kernel) and k.op == op and any(tuple(s) == shape for s, _ in k.fresh or ())]
+             if isinstance(k, _core.Kernel) and k.op == op and any(tuple(s) == shape for s, *_ in k.fresh or ())]
     assert len(found) == 1, found
     return found[0]
 
