@@ -9,6 +9,8 @@ contiguous: the strides, the view and the format checks below failed.
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -175,7 +177,7 @@ def test_results_have_cpu_strides_and_values(dev, mode):
 
 def host_copies() -> dict:
     """Strides of copies across devices, as torch's _to_copy gives them (preserve_format keeps a dense
-    tensor's strides; any other gets the format it suggests)."""
+    tensor's strides; any other gets the format it suggests), and through torch.save / torch.load."""
     import tpudist.device  # noqa: F401
 
     torch.tpu.set_eager_mode("strict")
@@ -194,12 +196,22 @@ def host_copies() -> dict:
         "non_dense_values": torch.equal(sliced.to("tpu").cpu(), sliced),
         "double_to_host": (on_dev.to("cpu", torch.float64).stride(), xcl.double().stride()),
     }
+    saved = io.BytesIO()
+    torch.save([on_dev, xcl], saved)
+    for where in ("tpu", "cpu"):  # torch.load keeps the device of what was saved unless map_location moves it
+        saved.seek(0)
+        loaded = torch.load(saved, map_location=None if where == "tpu" else where)
+        out[f"load_{where}"] = ([t.stride() for t in loaded], [xcl.stride()] * 2)
+        out[f"load_{where}_values"] = all(torch.equal(t.cpu(), xcl) for t in loaded)
+    saved.seek(0)
+    out["load_onto_tpu"] = ([t.stride() for t in torch.load(saved, map_location="tpu")], [xcl.stride()] * 2)
     return out
 
 
 def test_copies_across_devices_keep_strides(dev):
     facts = dev(host_copies)
-    assert facts.pop("host_values") and facts.pop("non_dense_values")
+    for name in ("host_values", "non_dense_values", "load_tpu_values", "load_cpu_values"):
+        assert facts.pop(name), name
     for name, (got, want) in facts.items():
         assert got == want, name
 

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import tpudist.ops as tops
 from tpudist import matmul_precision as precision
-from tpudist.device import _fused, _grow, _oom
+from tpudist.device import _fused, _grow, _layouts, _oom
 from tpudist.device import _runtime as rt
 from tpudist.device import views
 from tpudist.device._core import (
@@ -181,8 +181,14 @@ def run_on_cpu(op, args, kwargs):
             buf.value = to_jax(host)
     by_id = {id(c): x for x, c in zip(leaves, cpu_leaves) if is_tpu(x)}
     out, out_def = tree_flatten(result)
-    return tree_unflatten([by_id.get(id(r), r if not isinstance(r, torch.Tensor) else from_cpu(r))
+    return tree_unflatten([by_id.get(id(r), r if not isinstance(r, torch.Tensor) else _from_host_result(r))
                            for r in out], out_def)
+
+
+def _from_host_result(r: torch.Tensor) -> torch.Tensor:
+    """A CPU kernel's fresh result on the device, with the strides the CPU kernel gave it."""
+    strides = _layouts.copy_strides(r)
+    return from_cpu(r, None if strides == views.contiguous_strides(r.shape) else strides)
 
 
 def _host_view(x: torch.Tensor, mirrors: dict) -> torch.Tensor:

@@ -118,13 +118,7 @@ def to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blo
         strides = _layouts.copy_strides(x, memory_format)
         src = x if dtype is None else x.to(dtype)
         return core.from_cpu(src, None if strides == views.contiguous_strides(x.shape) else strides)
-    strides = _layouts.copy_strides(x, memory_format)
-    if strides == views.contiguous_strides(x.shape):
-        host = core.to_cpu(x)
-    else:  # read the storage in the result's physical order, then give it the strides
-        order = views.permuted_order(x.shape, strides)
-        flat = core.to_cpu(x.permute(order)).reshape(-1)
-        host = torch.empty(0, dtype=flat.dtype).set_(flat.untyped_storage(), 0, tuple(x.shape), strides)
+    host = core.to_cpu(x, _layouts.copy_strides(x, memory_format))
     return host.to(device=target, dtype=dtype if dtype is not None else host.dtype)
 
 

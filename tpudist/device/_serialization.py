@@ -31,10 +31,12 @@ _original = torch.Tensor._reduce_ex_internal  # noqa: SLF001
 def _reduce_ex_internal(self, proto):
     if self.device.type != "tpu":
         return _original(self, proto)
-    from tpudist.device import _core
+    from tpudist.device import _core, _layouts
 
+    # the strides of self.cpu(), what torch pickles for storage-less device tensors: a channels_last
+    # tensor loads back channels_last
     return (torch._utils._rebuild_device_tensor_from_cpu_tensor,  # noqa: SLF001
-            (_core.to_cpu(self), self.dtype, str(self.device), self.requires_grad))
+            (_core.to_cpu(self, _layouts.copy_strides(self)), self.dtype, str(self.device), self.requires_grad))
 
 
 _original_deepcopy = torch.Tensor.__deepcopy__

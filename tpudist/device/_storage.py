@@ -230,8 +230,16 @@ def _retype(value, want):
                               "item sizes) is not supported on the tpu device; use .to(dtype) instead")
 
 
-def to_cpu(t: torch.Tensor) -> torch.Tensor:
-    return to_torch(value_of(t)).reshape(t.shape)
+def to_cpu(t: torch.Tensor, strides: tuple | None = None) -> torch.Tensor:
+    """A CPU copy of the tpu tensor ``t``: contiguous, or of the dense ``strides`` (the storage read in
+    their physical order, so a channels_last copy costs no transpose on the host)."""
+    if strides is None or strides == views.contiguous_strides(t.shape):
+        return to_torch(value_of(t)).reshape(t.shape)
+    order = views.permuted_order(t.shape, strides)
+    if order is None:
+        raise AssertionError(f"strides={strides} of a {tuple(t.shape)} tensor are not a dense layout")
+    flat = to_torch(value_of(t.permute(order))).reshape(-1)
+    return torch.empty((0,), dtype=flat.dtype).set_(flat.untyped_storage(), 0, tuple(t.shape), strides)
 
 
 def from_cpu(t: torch.Tensor, strides: tuple | None = None) -> torch.Tensor:
