@@ -84,7 +84,7 @@ def empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory
 
 def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
     size, stride = tuple(size), tuple(stride)
-    if views.is_contiguous(size, stride) and stride == views.contiguous_strides(size):
+    if stride == views.contiguous_strides(size):
         return core.new_tensor(size, _dtype(dtype))
     if views.permuted_order(size, stride) is not None:  # dense (channels_last, a transposed layout)
         return core.new_tensor(size, _dtype(dtype), strides=stride)
