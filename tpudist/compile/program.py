@@ -480,6 +480,9 @@ def _call(node, args, kwargs, collectives, ops):
             if collectives is None:
                 raise UnsupportedGraph(f"{target} at {user_line(node)} outside a collective-aware program")
             return collectives.lower(target, args, kwargs, node)
+        if ops.reads_contiguity(target):  # the op's torch kernel depends on its input's strides
+            val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+            kwargs = {**kwargs, "input_contiguous": not isinstance(val, torch.Tensor) or val.is_contiguous()}
         return ops.call(target, *args, **kwargs)
     raise UnsupportedGraph(f"node {node.name} calls {target!r} at {user_line(node)}: not an ATen op overload; "
                            "the tpu backend lowers ATen graphs (run it through aot_autograd first)")

@@ -180,6 +180,8 @@ class Kernel:
             if self.dtype_from_out:
                 kwargs["dtype"] = tops.to_torch_dtype(kwargs[next(iter(self.out_names))].dtype)
             kwargs = {k: v for k, v in kwargs.items() if k not in self.out_names}
+        if tops.reads_contiguity(self.functional):
+            kwargs = {**kwargs, "input_contiguous": _first_tensor_contiguous(self.leaf_specs)}
         if self.random:
             seed = sc[base + self.n_scalars].astype(jnp.uint32)
             count = sc[base + self.n_scalars + 1].astype(jnp.uint32)
@@ -398,6 +400,22 @@ def _plain_sizes(key):
     sig = tuple((spec[0], spec[1], tuple(spec[2]), *spec[3:]) if spec[0] in ("T", "V", "B") else spec
                 for spec in key[2])
     return (key[0], key[1], sig, *key[3:])
+
+
+def _first_tensor_contiguous(leaf_specs) -> bool:
+    """torch's ``is_contiguous()`` of the first tensor argument, from its spec (sizes, strides)."""
+    for spec in leaf_specs:
+        if spec[0] in ("T", "B", "V"):
+            sizes, strides = spec[2], spec[3]
+            if 0 in sizes:
+                return True
+            expected = 1
+            for size, stride in zip(reversed(sizes), reversed(strides)):
+                if size != 1 and stride != expected:
+                    return False
+                expected *= size
+            return True
+    return True
 
 
 def _meta_of(x):

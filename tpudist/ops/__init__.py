@@ -14,12 +14,12 @@ Random lowerings draw keys from the caller's ``keys(KeySource(key))`` (see ``rng
 from tpudist.ops import lowerings as _lowerings  # noqa: F401  (registers the table)
 from tpudist.ops.dtypes import to_jax_dtype, to_torch_dtype
 from tpudist.ops.interpret import JaxMode, JaxValue, UnsupportedOp, call, decomposition_for, expected_outputs
-from tpudist.ops.registry import (functional_of, lowered_ops, lowering_for, lowers, lowers_named,
-                                  shapes_from_lowering, uses_lowering_shapes)
+from tpudist.ops.registry import (contiguous_input, functional_of, lowered_ops, lowering_for, lowers, lowers_named,
+                                  reads_contiguity, shapes_from_lowering, uses_lowering_shapes)
 from tpudist.ops.rng import KeySource, keys, next_key
 
 __all__ = [
-    "JaxMode", "JaxValue", "KeySource", "UnsupportedOp", "call", "decomposition_for", "expected_outputs",
-    "functional_of", "keys", "lowered_ops", "lowering_for", "lowers", "lowers_named", "next_key",
-    "shapes_from_lowering", "to_jax_dtype", "to_torch_dtype", "uses_lowering_shapes",
+    "JaxMode", "JaxValue", "KeySource", "UnsupportedOp", "call", "contiguous_input", "decomposition_for",
+    "expected_outputs", "functional_of", "keys", "lowered_ops", "lowering_for", "lowers", "lowers_named", "next_key",
+    "reads_contiguity", "shapes_from_lowering", "to_jax_dtype", "to_torch_dtype", "uses_lowering_shapes",
 ]

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpudist.ops import accuracy
 from tpudist.ops.dtypes import to_jax_dtype, to_torch_dtype
-from tpudist.ops.registry import lowering_for, uses_lowering_shapes
+from tpudist.ops.registry import lowering_for, reads_contiguity, uses_lowering_shapes
 
 aten = torch.ops.aten
 
@@ -166,11 +166,17 @@ _DECOMPOSING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("tpudis
                                                                        default=frozenset())
 
 
-def call(op, *args, **kwargs):
-    """``op`` on JAX arrays: its lowering, else its decomposition; results in torch's dtypes."""
+def call(op, *args, input_contiguous: bool = True, **kwargs):
+    """``op`` on JAX arrays: its lowering, else its decomposition; results in torch's dtypes.
+
+    ``input_contiguous``: whether the tensor behind ``op``'s first argument is contiguous, for the ops
+    whose torch kernel depends on it (``registry.contiguous_input``); ignored for the others.
+    """
     meta = expected_outputs(op, args, kwargs)
     lowering = lowering_for(op)
     if lowering is not None:
+        if not input_contiguous and reads_contiguity(op):
+            kwargs = {**kwargs, "input_contiguous": False}
         result = accuracy.run(lowering, args, kwargs)
     else:
         decomp = decomposition_for(op)
@@ -242,7 +248,10 @@ class JaxMode(TorchDispatchMode):
             return _wrap(_unwrap(args[0]))
         if torch.Tag.inplace in func.tags or func._schema.is_mutable:  # noqa: SLF001
             return _mutate(func, args, kwargs)
-        out = tree_map(_wrap, call(func, *tree_map(_unwrap, args), **tree_map(_unwrap, kwargs)))
+        contiguous = not (reads_contiguity(func) and isinstance(args[0], torch.Tensor)
+                          and not args[0].is_contiguous())
+        out = tree_map(_wrap, call(func, *tree_map(_unwrap, args), input_contiguous=contiguous,
+                                   **tree_map(_unwrap, kwargs)))
         if func.is_view and args and isinstance(args[0], JaxValue):
             # remember where a view came from, so that a later in-place write reaches its base
             for i, view in enumerate(out if isinstance(out, (list, tuple)) else [out]):

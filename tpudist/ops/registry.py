@@ -99,6 +99,21 @@ def uses_lowering_shapes(op) -> bool:
     return op in _LOWERING_SHAPES
 
 
+_CONTIGUOUS_INPUT: set = set()
+
+
+def contiguous_input(*ops) -> None:
+    """Mark ``ops`` whose CPU kernel returns other (equally valid) results when its first tensor argument
+    is contiguous than when it is not (``_linalg_det`` factors A^T for a contiguous real A, A otherwise,
+    and returns that LU; its backward reads A's strides to know which). Their lowerings take a keyword
+    ``input_contiguous`` (default True), which callers that know the argument's strides pass to ``call``."""
+    _CONTIGUOUS_INPUT.update(overload for op in ops for overload in _overloads(op))
+
+
+def reads_contiguity(op) -> bool:
+    return op in _CONTIGUOUS_INPUT
+
+
 def lowered_ops() -> list:
     """Every overload with a lowering, sorted by name (for tests and coverage reports)."""
     return sorted(_TABLE, key=str)
