@@ -29,6 +29,9 @@ _HINT = re.compile(r"lowers\((torch\.ops\.[\w.]+)\)")
 
 def reached_op(detail: str) -> str:
     """The op a device error names as having no lowering (its ``@lowers(...)`` hint), else the message."""
+    found = re.search(r"decomposition reached ([\w.]+)", detail) or re.match(r"aten op ([\w.]+) has no JAX", detail)
+    if found:
+        return found.group(1)
     found = _HINT.search(detail)
     if found:
         return found.group(1).removeprefix("torch.ops.")

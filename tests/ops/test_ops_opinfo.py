@@ -65,6 +65,7 @@ EXTRA = {
     "nn.functional.adaptive_avg_pool2d", "nn.functional.adaptive_avg_pool3d", "fft.fft", "fft.rfft", "fft.irfft",
     "fft.fft2", "fft.ifft", "fft.rfftn", "fft.hfft", "cdist", "nn.functional.pdist", "angle",
     "view_as_real", "view_as_complex", "equal", "index_reduce", "matrix_exp",
+    "linalg.svd", "linalg.eigh", "linalg.solve", "linalg.det", "linalg.slogdet", "linalg.inv", "linalg.cholesky",
 }
 # Ops whose values are random or uninitialised: only dtypes and shapes are compared.
 RANDOM = {"bernoulli", "rand_like", "randn_like", "randint_like", "randint", "nn.functional.dropout", "empty",
@@ -72,7 +73,49 @@ RANDOM = {"bernoulli", "rand_like", "randn_like", "randint_like", "randint", "nn
           "multinomial", "randn", "rand", "empty_permuted", "nn.functional.rrelu", "nn.functional.alpha_dropout",
           "nn.functional.feature_alpha_dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
           "cauchy", "geometric", "log_normal", "randperm",
-          "nn.functional.multi_head_attention_forward"}  # its samples train with dropout
+          "nn.functional.multi_head_attention_forward",  # its samples train with dropout
+          "svd_lowrank", "pca_lowrank"}  # random projections (torch.randn inside)
+
+
+def _column_signs(vectors):
+    """Each column's phase (sign, for real) at its largest-magnitude element: singular and eigen vectors
+    are unique only up to it, and LAPACK implementations (MKL, OpenBLAS) and TPU algorithms choose
+    differently."""
+    index = vectors.abs().argmax(dim=-2, keepdim=True)
+    pivot = vectors.gather(-2, index)
+    magnitude = pivot.abs()
+    return torch.where(magnitude == 0, torch.ones_like(pivot), pivot / magnitude).conj()
+
+
+def _eigh_canonical(out):
+    values, vectors = out
+    return values, vectors * _column_signs(vectors)
+
+
+def _svd_canonical(out, v_transposed):
+    u, s, v = out
+    signs = _column_signs(u)
+    return u * signs, s, (v * signs.mT.conj() if v_transposed else v * signs.conj())
+
+
+# Ops whose vectors are unique up to a sign or phase per vector: both sides are compared (and
+# differentiated) after this canonical choice, a function of torch tensors.
+CANONICAL = {"linalg.eigh": _eigh_canonical, "linalg.svd": lambda out: _svd_canonical(out, True),
+             "svd": lambda out: _svd_canonical(out, False)}
+
+
+def op_of(info):
+    """The OpInfo's op, followed by its canonical form where it has one."""
+    canonical = CANONICAL.get(info.name)
+    if canonical is None:
+        return info.op
+
+    def op(*args, **kwargs):
+        out = info.op(*args, **kwargs)
+        return canonical(out) if isinstance(out, tuple) and len(out) in (2, 3) and out[-1].ndim else out
+    return op
+
+
 # Ops whose indices are implementation-defined where values tie: values only (plus dtypes and shapes).
 TIES = {"sort", "argsort", "topk", "kthvalue", "msort", "median", "nanmedian", "mode"}
 # Ops that sum many products: XLA's and MKL's summation orders differ, so float32 gets atol 1e-5
@@ -134,7 +177,7 @@ def _grads(fn, sample, outputs):
 
 
 def _run_sample(info, sample, dtype, with_grad):
-    fn = info.op
+    fn = op_of(info)
     random = info.name in RANDOM
     try:
         if (info.name, dtype) in FLOAT32_REFERENCE:

@@ -234,7 +234,10 @@ def _aot(gm: torch.fx.GraphModule, example_inputs: list, opts: Options):
         partition_fn=_partition,
         decompositions=decompositions(fused_attention=True),
     )
-    with attention_as_eager(gm), corrected_decompositions():  # the joint graph (forward and backward) is traced here
+    # effect tokens (torch.linalg.inv's error check runs under with_effects) made and sunk inside the
+    # graph, as inductor has them: lifted, they are program inputs that arrive as None at run time
+    with (attention_as_eager(gm), corrected_decompositions(),  # the joint graph (forward and backward) is traced here
+          torch._functorch.config.patch(unlift_effect_tokens=True)):  # noqa: SLF001
         return compiler(gm, example_inputs)
 
 

@@ -474,6 +474,13 @@ def _call(node, args, kwargs, collectives, ops):
     target = node.target
     if target is operator.getitem:
         return args[0][args[1]]
+    if target is torch.ops.higher_order.with_effects:
+        # AOTAutograd threads a token through ops with side effects (torch.linalg.inv's
+        # _linalg_check_errors): (token, op, *args) -> (token, *op's results); the lowering's own
+        # effect (a host callback) keeps its place in the program
+        token, op, *op_args = args
+        result = ops.call(op, *op_args, **kwargs)
+        return (token, *(() if result is None else result if isinstance(result, (tuple, list)) else (result,)))
     if isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
         namespace = target.namespace
         if namespace == "_c10d_functional":

@@ -18,6 +18,7 @@ from tpudist.ops.lowerings._util import is_array
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 _NONZERO = "Expected Tensor with single nonzero value, but got zero"
 
 
@@ -61,3 +62,16 @@ def functional_assert_async(x, assert_msg, dep_token):
 def functional_assert_scalar(x, assert_msg, dep_token):
     _check(x, assert_msg)
     return dep_token
+
+
+# Effect tokens: AOTAutograd orders ops with side effects (the checks above, torch.linalg's
+# _linalg_check_errors) through with_effects(token, op, ...); with unlift_effect_tokens the graph makes
+# and sinks its tokens itself. The token carries no data: the host callbacks are effects in the program.
+@lowers(prims._make_token.default)
+def make_token():
+    return jnp.zeros((0,), jnp.float32)
+
+
+@lowers(prims._sink_tokens.default)
+def sink_tokens(tokens):
+    return None

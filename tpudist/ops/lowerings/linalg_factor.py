@@ -62,6 +62,8 @@ def linalg_check_errors(info, api_name, *, is_matrix):
 def _zero_pivot_info(lu):
     """LAPACK getrf's info: 1 + the index of the first exactly zero diagonal element of U, else 0."""
     diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    if diagonal.shape[-1] == 0:  # an empty matrix
+        return jnp.zeros(diagonal.shape[:-1], jnp.int32)
     zero = diagonal == 0
     return jnp.where(jnp.any(zero, axis=-1), jnp.argmax(zero, axis=-1) + 1, 0).astype(jnp.int32)
 

@@ -1,9 +1,9 @@
 """Solves, inverses and determinants through LU and Cholesky factors, and triangular solves.
 
-torch's CPU kernels of ``det``, ``slogdet`` and ``solve`` factor A^T instead of A when A is a
-contiguous real matrix (LAPACK wants column-major input; det(A^T) = det(A)), and return that LU and
-its pivots; their backward formulas read A's strides again to know which one they got. The lowerings
-do the same, told A's contiguity by the caller (``registry.contiguous_input``).
+torch's CPU kernels of ``det`` and ``slogdet`` factor A^T instead of A when A is a contiguous real
+matrix (LAPACK wants column-major input; det(A^T) = det(A)), and return that LU and its pivots; their
+backward formulas read A's strides again to know which one they got. The lowerings do the same, told
+A's contiguity by the caller (``registry.contiguous_input``). ``solve`` factors A itself (torch 2.13).
 """
 
 from __future__ import annotations
@@ -60,13 +60,12 @@ def linalg_lu_solve(lu, pivots, b, *, left=True, adjoint=False):
 
 
 @lowers(aten._linalg_solve_ex.default)
-def linalg_solve_ex(a, b, *, left=True, check_errors=False, input_contiguous=True):
-    transposed = _transposed(a, input_contiguous)
-    lu, pivots, permutation, info = lu_factor(jnp.swapaxes(a, -1, -2) if transposed else a)
+def linalg_solve_ex(a, b, *, left=True, check_errors=False):
+    lu, pivots, permutation, info = lu_factor(a)
     if check_errors:
         check_info(info, "torch.linalg.solve_ex", a.ndim == 2)
     vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])  # numpy's vector right side
-    x = lu_solve(lu, permutation, b[..., None] if vector else b, left=left, adjoint=transposed)
+    x = lu_solve(lu, permutation, b[..., None] if vector else b, left=left)
     return (x[..., 0] if vector else x), lu, pivots, info
 
 
@@ -100,7 +99,7 @@ def linalg_slogdet(a, *, input_contiguous=True):
     return sign, jnp.sum(jnp.log(magnitude), axis=-1), lu, pivots
 
 
-contiguous_input(aten._linalg_solve_ex.default, aten._linalg_det.default, aten._linalg_slogdet.default)
+contiguous_input(aten._linalg_det.default, aten._linalg_slogdet.default)
 
 
 # -- triangular and Cholesky solves --------------------------------------------------------------------
