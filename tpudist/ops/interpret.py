@@ -248,10 +248,8 @@ class JaxMode(TorchDispatchMode):
             return _wrap(_unwrap(args[0]))
         if torch.Tag.inplace in func.tags or func._schema.is_mutable:  # noqa: SLF001
             return _mutate(func, args, kwargs)
-        contiguous = not (reads_contiguity(func) and isinstance(args[0], torch.Tensor)
-                          and not args[0].is_contiguous())
-        out = tree_map(_wrap, call(func, *tree_map(_unwrap, args), input_contiguous=contiguous,
-                                   **tree_map(_unwrap, kwargs)))
+        # (a JaxValue has a contiguous layout whatever made it, so input_contiguous keeps its default)
+        out = tree_map(_wrap, call(func, *tree_map(_unwrap, args), **tree_map(_unwrap, kwargs)))
         if func.is_view and args and isinstance(args[0], JaxValue):
             # remember where a view came from, so that a later in-place write reaches its base
             for i, view in enumerate(out if isinstance(out, (list, tuple)) else [out]):

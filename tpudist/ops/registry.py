@@ -106,7 +106,8 @@ def contiguous_input(*ops) -> None:
     """Mark ``ops`` whose CPU kernel returns other (equally valid) results when its first tensor argument
     is contiguous than when it is not (``_linalg_det`` factors A^T for a contiguous real A, A otherwise,
     and returns that LU; its backward reads A's strides to know which). Their lowerings take a keyword
-    ``input_contiguous`` (default True), which callers that know the argument's strides pass to ``call``."""
+    ``input_contiguous`` (default True), which callers that know the argument's strides pass to ``call``
+    (the device and the compile backend; JaxMode's values are always laid out contiguously)."""
     _CONTIGUOUS_INPUT.update(overload for op in ops for overload in _overloads(op))
 
 
