@@ -118,6 +118,8 @@ for _name in ["bitwise_and", "bitwise_or", "bitwise_xor"]:
     DIRECT.append((getattr(prims, _name).default, (I, I.flip(0)), {}))
 DIRECT.append((prims.bitwise_not.default, (I,), {}))
 DIRECT.append((aten.logspace.default, (-1.0, 2.0, 7), {"base": 2.0}))  # bit for bit in tests/device/test_device_factories
+# effect tokens of compiled graphs (torch.linalg.inv's error check runs under with_effects)
+DIRECT += [(prims._make_token.default, (), {}), (prims._sink_tokens.default, ([torch.zeros(0)],), {})]
 # group norm's backward (its OpInfo's backward runs torch's twice-differentiable composite instead)
 _GN_X, _GN_W, _GN_DY = _t(3, 6, 7), _t(6), _t(3, 6, 7)
 _, _GN_MEAN, _GN_RSTD = aten.native_group_norm(_GN_X, _GN_W, None, 3, 6, 7, 3, 1e-5)

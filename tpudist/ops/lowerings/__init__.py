@@ -2,4 +2,4 @@
 
 from tpudist.ops.lowerings import (  # noqa: F401
     asserts, complex, elementwise, factories, foreach, indexing, linalg, nn, nn_extra, pooling, random, reductions, rnn, shape)
-from tpudist.ops.lowerings import counting, grouped, linalg_factor, linalg_solve, resample, syncbn  # noqa: F401
+from tpudist.ops.lowerings import counting, grouped, linalg_factor, linalg_solve, resample, special, syncbn  # noqa: F401

@@ -27,7 +27,7 @@ def _raise_if_zero(value, message: str) -> None:
         raise RuntimeError(message)
 
 
-def _check(value, message: str) -> None:
+def check(value, message: str) -> None:
     """Raise RuntimeError(message) if ``value`` (one element) is zero/False, now or when the program runs."""
     if is_array(value) and value.size != 1:
         raise RuntimeError("Boolean value of Tensor with more than one value is ambiguous")
@@ -39,28 +39,28 @@ def _check(value, message: str) -> None:
 
 @lowers(aten._assert_async.default)
 def assert_async(x):
-    _check(x, _NONZERO)
+    check(x, _NONZERO)
 
 
 @lowers(aten._assert_async.msg)
 def assert_async_msg(x, assert_msg):
-    _check(x, assert_msg)
+    check(x, assert_msg)
 
 
 @lowers(aten._assert_scalar.default)
 def assert_scalar(x, assert_msg):
-    _check(x, assert_msg)
+    check(x, assert_msg)
 
 
 @lowers(aten._functional_assert_async.msg)
 def functional_assert_async(x, assert_msg, dep_token):
-    _check(x, assert_msg)
+    check(x, assert_msg)
     return dep_token
 
 
 @lowers(aten._functional_assert_scalar.default)
 def functional_assert_scalar(x, assert_msg, dep_token):
-    _check(x, assert_msg)
+    check(x, assert_msg)
     return dep_token
 
 

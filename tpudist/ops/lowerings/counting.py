@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from tpudist.ops.lowerings._util import concrete, dim_of
-from tpudist.ops.lowerings.asserts import _check
+from tpudist.ops.lowerings.asserts import check as _check
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten

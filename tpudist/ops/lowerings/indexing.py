@@ -285,6 +285,16 @@ def nonzero(x):
     return jnp.stack(np.nonzero(_concrete_mask(x, "aten.nonzero")), axis=-1).astype(jnp.int64).reshape(-1, x.ndim)
 
 
+@lowers(aten.nonzero_static.default)
+def nonzero_static(x, *, size, fill_value=-1):
+    # a static shape, so it traces: the first ``size`` indices in row-major order, then fill_value rows
+    if x.ndim == 0:
+        found = jnp.zeros((size, 0), jnp.int64)
+        return found
+    indices = jnp.nonzero(x, size=size, fill_value=fill_value)
+    return jnp.stack(indices, axis=-1).astype(jnp.int64).reshape(size, x.ndim)
+
+
 @lowers(aten.embedding.default)
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return jnp.take(weight, indices, axis=0)

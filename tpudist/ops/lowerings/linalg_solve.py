@@ -125,11 +125,6 @@ def cholesky_solve(b, factor, upper: bool):
     return _triangular(factor, _triangular(factor, b, lower=True), lower=True, adjoint=True)
 
 
-@lowers(aten._cholesky_solve_helper.default)
-def cholesky_solve_helper(b, factor, upper):
-    return cholesky_solve(b, factor, upper)
-
-
 @lowers(aten.cholesky_solve.default)
 def cholesky_solve_op(b, factor, upper=False):
     return cholesky_solve(b, factor, upper)
