@@ -39,7 +39,7 @@ def _empty(dtype):
 
 def _raise_like_torch(info, api_name: str, is_matrix: bool) -> None:
     # torch's own check on the host gives its exact message and error type (torch.linalg.LinAlgError)
-    torch._linalg_check_errors(torch.from_numpy(np.asarray(info, np.int32)), api_name, is_matrix=is_matrix)  # noqa: SLF001
+    torch._linalg_check_errors(torch.from_numpy(np.array(info, np.int32)), api_name, is_matrix=is_matrix)  # noqa: SLF001
 
 
 def check_info(info, api_name: str, is_matrix: bool) -> None:

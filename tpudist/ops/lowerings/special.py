@@ -39,7 +39,8 @@ def _unary(fn):
 
 _UNARY = {
     (aten.special_i0e.default,): jsp.i0e,
-    (aten.special_i1.default,): jsp.i1,
+    (aten.special_i1.default, aten.special_modified_bessel_i1.default): jsp.i1,
+    (aten.special_modified_bessel_i0.default,): jsp.i0,
     (aten.special_i1e.default,): jsp.i1e,
     (aten.special_ndtri.default,): jsp.ndtri,
     (aten.special_erfcx.default,): jsp.erfcx,
