@@ -721,6 +721,15 @@ def test_amp_update_scale_matches_cpu(tracker, found, scale):
     assert torch.equal(got_scale, want_scale) and torch.equal(got_tracker, want_tracker)
 
 
+def test_conj_physical_through_call():
+    # under a dispatch mode torch.conj_physical arrives as _conj_physical (its CompositeImplicit kernel runs
+    # first); the device's kernel for conj_physical itself reaches this lowering, so call it directly
+    x = torch.complex(F, P)
+    with jax.enable_x64(True):
+        out = call(aten.conj_physical.default, to_jax(x))
+    assert compare(torch.conj_physical(x), to_torch(out)) is None
+
+
 def run_all_cases():
     """Every hand-written case, for the coverage check in test_ops_opinfo (pytest runs them one by one)."""
     for case in DIRECT:
@@ -732,6 +741,7 @@ def run_all_cases():
         test_fused_adam_matches_cpu(name, dict(), torch.float32)
     test_flash_attention_for_cpu_and_backward(True, False)
     test_identity_ops_through_call()
+    test_conj_physical_through_call()
     test_dynamo_fma_prim_matches_cpu()
     test_matmul_backward_matches_autograd()
     test_attention_dropout_draws_a_key()

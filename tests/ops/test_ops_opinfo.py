@@ -66,6 +66,7 @@ EXTRA = {
     "fft.fft2", "fft.ifft", "fft.rfftn", "fft.hfft", "cdist", "nn.functional.pdist", "angle",
     "view_as_real", "view_as_complex", "equal", "index_reduce", "matrix_exp",
     "linalg.svd", "linalg.eigh", "linalg.solve", "linalg.det", "linalg.slogdet", "linalg.inv", "linalg.cholesky",
+    "special.modified_bessel_i0", "special.modified_bessel_i1", "special.spherical_bessel_j0", "fft.ihfft2",
 }
 # Ops whose values are random or uninitialised: only dtypes and shapes are compared.
 RANDOM = {"bernoulli", "rand_like", "randn_like", "randint_like", "randint", "nn.functional.dropout", "empty",
@@ -89,13 +90,23 @@ def _column_signs(vectors):
 
 def _eigh_canonical(out):
     values, vectors = out
+    if vectors.numel() == 0:
+        return out
     return values, vectors * _column_signs(vectors)
 
 
 def _svd_canonical(out, v_transposed):
+    """The first k = min(m, n) singular vectors (the rest of a full U or V is any orthonormal completion,
+    compared as it comes)."""
     u, s, v = out
-    signs = _column_signs(u)
-    return u * signs, s, (v * signs.mT.conj() if v_transposed else v * signs.conj())
+    k = s.shape[-1]
+    if u.numel() == 0 or k == 0:
+        return out
+    signs = _column_signs(u[..., :k])
+    u = torch.cat([u[..., :k] * signs, u[..., k:]], dim=-1)
+    if v_transposed:
+        return u, s, torch.cat([v[..., :k, :] * signs.mT.conj(), v[..., k:, :]], dim=-2)
+    return u, s, torch.cat([v[..., :k] * signs.conj(), v[..., k:]], dim=-1)
 
 
 # Ops whose vectors are unique up to a sign or phase per vector: both sides are compared (and

@@ -44,7 +44,7 @@ def index(x, indices):
 def _per_true(x, mask, values):
     """values (number of Trues, *x.shape[mask.ndim:]) laid out in x's shape, the k-th True's place holding
     values[k], inside jit too: a running count of the mask picks it, so no data-dependent shape arises."""
-    from tpudist.ops.lowerings.asserts import _check  # checked now, or by the program when it runs
+    from tpudist.ops.lowerings.asserts import check as _check  # checked now, or by the program when it runs
 
     _check(jnp.sum(mask) == values.shape[0], f"shape mismatch: value tensor of shape {list(values.shape)} "
            "cannot be broadcast to indexing result: x[mask] = values needs one value per True element of mask")

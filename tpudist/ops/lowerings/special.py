@@ -23,7 +23,6 @@ from tpudist.ops.lowerings._util import promote, to_float, upcast
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten
-prims = torch.ops.prims
 
 
 def _real(x):
@@ -110,6 +109,6 @@ def frexp(x):
     return mantissa, exponent.astype(jnp.int32)
 
 
-@lowers(prims.conj_physical.default)
+@lowers(aten.conj_physical.default, aten._conj_physical.default)
 def conj_physical(x):
     return jnp.conj(x)
