@@ -130,7 +130,7 @@ def arange(*args, dtype=None, **_placement):
     n = max(0, math.ceil((end - start) / step))
     if dtype.is_floating_point:
         # torch computes start + i * step in double, then casts
-        return (start + np.arange(n, dtype=np.float64) * step).astype(to_jax_dtype(dtype))
+        return jnp.asarray((start + np.arange(n, dtype=np.float64) * step).astype(to_jax_dtype(dtype)))
     # integers (torch's CPU kernel, torch 2.13): start and step truncated to int64, the values start + i * step
     # wrapped to the dtype; the length from the float arguments, except for int64, whose length comes from
     # the truncated start, end and step (a step that truncates to 0 is then an error)
