@@ -760,17 +760,6 @@ def _eligible_leaves(op, treedef, n_leaves) -> frozenset:
     return result
 
 
-def _phase(sizes, strides, offset) -> bool:
-    """Whether a view's offset picks a phase of an interleaving, not a position: it is below every
-    stride of the view (``x.unflatten(-1, (-1, 2)).unbind(-1)``, RoPE's even and odd elements, at
-    offsets 0 and 1 with stride 2). Such offsets stay constants: as runtime inputs they made a read
-    of the odd elements a dynamic slice of the whole flat storage, padded, where a constant offset is
-    a strided slice XLA fuses into its consumer. A position (a cache's row t) is a multiple of a
-    stride, so it is no phase."""
-    steps = [stride for size, stride in zip(sizes, strides) if size > 1]
-    return bool(steps) and 0 < offset < min(steps)
-
-
 def _site_of(op, key):
     """(site, values): the signature with its candidate ints left out, and those ints in order."""
     _, treedef, sig, slots, static_floats = key
@@ -788,8 +777,10 @@ def _site_of(op, key):
                 values.append((i, spec[1]))
         elif kind == "T":
             _, slot, sizes, strides, offset, dtype = spec
-            if dtype == slots[slot][1] and all(sizes) and min(strides, default=0) >= 0 and not _phase(sizes, strides,
-                                                                                                      offset):
+            # a phase (RoPE's odd elements, views.phase) stays a constant: as a runtime input it made the
+            # read a dynamic slice of the whole flat storage, where a constant is a static strided pick
+            if (dtype == slots[slot][1] and all(sizes) and min(strides, default=0) >= 0
+                    and not views.phase(sizes, strides, offset)):
                 masked[i] = ("T", slot, sizes, strides, None, dtype)
                 values.append((i, offset))
     return (key[0], treedef, tuple(masked), slots, static_floats), tuple(values)

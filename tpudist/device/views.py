@@ -99,6 +99,14 @@ def _span(flat, offset, length):
     return part
 
 
+def phase(sizes, strides, offset) -> int:
+    """The phase of an interleaving a view's offset picks (the odd elements of pairs: 1), or 0: an offset
+    below every stride of the view's dims that step (size > 1, stride > 0). A position (a cache's row t)
+    is a multiple of a stride, so it is no phase."""
+    steps = [s for n, s in zip(sizes, strides) if n > 1 and s > 0]
+    return offset if steps and 0 < offset < min(steps) else 0
+
+
 def _rows_read(block, sizes, strides, phase=0):
     """block: (*lead, L); returns (*lead, *sizes) picking the strided elements of each row, each the
     ``phase``-th of its innermost step."""
@@ -154,9 +162,9 @@ def read(flat, sizes, strides, offset):
         # An offset below the innermost step is a phase (the odd elements of pairs): the rows start at
         # 0 and the innermost pick takes the phase, static slices of the storage's own rows where a
         # span from the offset was a shifted copy of the whole storage (padded at its end)
-        phase = offset if 0 < offset < sub_strides[-1] else 0
-        block = _span(flat, offset - phase, first).reshape(sub_sizes[0], sub_strides[0])
-        value = _rows_read(block, sub_sizes[1:], sub_strides[1:], phase)
+        picked = phase(sizes, strides, offset)
+        block = _span(flat, offset - picked, first).reshape(sub_sizes[0], sub_strides[0])
+        value = _rows_read(block, sub_sizes[1:], sub_strides[1:], picked)
         # value has shape (sub_sizes...); put the dims back in the view's order
         order = [dims.index(d) for d in sorted(dims)]
         value = jnp.transpose(value, order) if order != sorted(order) else value
