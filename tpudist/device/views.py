@@ -99,12 +99,18 @@ def _span(flat, offset, length):
     return part
 
 
+# The most phases one view's site compiles: each phase is its own program, so only an interleaving of
+# a few elements (RoPE's pairs, a complex's (re, im), RGB triples) keeps its offset a constant. An offset
+# below a wider step is a position (column t of a (batch, capacity) mask: one program per t).
+MAX_PHASES = 4
+
+
 def phase(sizes, strides, offset) -> int:
     """The phase of an interleaving a view's offset picks (the odd elements of pairs: 1), or 0: an offset
-    below every stride of the view's dims that step (size > 1, stride > 0). A position (a cache's row t)
-    is a multiple of a stride, so it is no phase."""
+    below every stride of the view's dims that step (size > 1, stride > 0), where that stride is at most
+    ``MAX_PHASES``. A position (a cache's row t, a mask's column t) is no phase."""
     steps = [s for n, s in zip(sizes, strides) if n > 1 and s > 0]
-    return offset if steps and 0 < offset < min(steps) else 0
+    return offset if steps and 0 < offset < min(steps) <= MAX_PHASES else 0
 
 
 def _rows_read(block, sizes, strides, phase=0):
