@@ -352,17 +352,21 @@ _DEVICE_CHILD = textwrap.dedent("""
                                      for a, b in zip(model.parameters(), eager.parameters())])
         losses.append((loss_c.item(), loss_e.item()))
     print(json.dumps({"losses": losses, "grad_err": grad_err, "devices": sorted(devices),
-                      "graphs": STATS.graphs}))
+                      "graphs": STATS.graphs, "shaped": [STATS.shaped_results, STATS.shaped_inputs],
+                      "flattened": torch.tpu.cache_stats().get("shaped_flattened", 0)}))
 """)
 
 
 def test_tpu_device_tensors():
-    """Model and batch on the "tpu" device: the programs take the storages' arrays, results stay on it."""
+    """Model and batch on the "tpu" device: the programs take the storages' arrays, results stay on it.
+    The activations the forward saves leave it in their own shape and enter the backward so (on a TPU a
+    flat <-> N-d reshape is a copy): none is flattened on the way."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", _DEVICE_CHILD], env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["devices"] == ["tpu"] and out["graphs"] == 2, out
+    assert out["shaped"][0] > 0 and out["shaped"][0] == out["shaped"][1] and out["flattened"] == 0, out
     for compiled, eager in out["losses"]:
         assert abs(compiled - eager) <= 1e-5, out
     assert out["grad_err"] <= 1e-5, out

@@ -203,12 +203,13 @@ def raise_if_missing(graph: torch.fx.Graph) -> None:
 def _partition(joint, joint_inputs, **kwargs):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    from tpudist.compile.program import host_constants
+    from tpudist.compile.program import host_constants, mark_saved
 
     raise_if_missing(joint.graph)  # forward and backward ops, before anything is compiled
     graphs = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     for gm in graphs:
         host_constants(gm)
+    mark_saved(*graphs)
     return graphs
 
 

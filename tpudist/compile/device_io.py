@@ -4,6 +4,11 @@ A tpu tensor's storage holds a flat ``jax.Array`` (``tpudist.device``). A progra
 device inputs takes each input flat and returns each output flat, so a tensor that covers its whole
 storage enters as the storage's array itself and every result becomes a new tpu tensor over the
 program's output buffer, with no copy and no extra dispatch. Other views are read out first.
+
+The activations a forward saves for its backward are the exception: the forward returns them in
+their own shape (a ``Shaped`` storage value) and the backward takes them so. On a TPU a reshape
+between a flat array and an N-d one is a copy of the whole tensor (their tiled layouts differ): flat
+saved activations cost two such copies each, every step.
 """
 
 from __future__ import annotations
@@ -23,35 +28,40 @@ def jax_device():
     return _runtime.device()
 
 
-def flat_value(t: torch.Tensor):
-    """The tensor's values as a flat jax.Array (its storage's own array when it covers it all)."""
+def device_value(t: torch.Tensor, shaped: bool):
+    """The tensor's values as a jax.Array, of its own shape (``shaped``) or flat: its storage's own
+    array where the tensor covers it all and the array has that form already."""
     from tpudist.device import _core
 
     buf = _core.buffer_of(t)
-    if isinstance(buf.value, _core.Lazy):
+    if buf.value.__class__ is _core.Lazy:
         _core.flush()
-    value = buf.value
-    numel = math.prod(t.shape)
+    value, shape = buf.value, tuple(t.shape)
+    numel = math.prod(shape)
     if (value is not None and t.is_contiguous() and t.storage_offset() == 0 and buf.numel == numel
-            and buf.dtype == t.dtype and value.shape == (numel,)):
-        return value
-    return _core.value_of(t).reshape(-1)
+            and buf.dtype == t.dtype):
+        array = value.array if value.__class__ is _core.Shaped else value
+        if array.shape == (shape if shaped else (numel,)):
+            return array
+    value = _core.value_of(t)
+    return value if shaped else value.reshape(-1)
 
 
-def flat_input(t: torch.Tensor, device):
-    """A program input as a flat jax.Array on ``device``: a device tensor's values, or a copy of a
-    CPU tensor's. Graphs on device tensors take CPU ones too, as torch's ops do: an optimizer's
-    ``step`` counts are CPU scalars beside the device parameters, and ``batch.to("tpu")`` inside the
-    compiled function is a CPU input moved in the graph. A copy: the program runs asynchronously,
-    and the CPU tensor may be updated in place (a step count is) before XLA would read it."""
+def program_input(t: torch.Tensor, device, shaped: bool = False):
+    """A program input on ``device``, flat or of the tensor's shape (``shaped``): a device tensor's values,
+    or a copy of a CPU tensor's. Graphs on device tensors take CPU ones too, as torch's ops do: an
+    optimizer's ``step`` counts are CPU scalars beside the device parameters, and ``batch.to("tpu")``
+    inside the compiled function is a CPU input moved in the graph. A copy: the program runs
+    asynchronously, and the CPU tensor may be updated in place (a step count is) before XLA would read it."""
     if is_device_tensor(t):
-        return flat_value(t)
+        return device_value(t, shaped)
     import jax
     import numpy as np
 
     from tpudist._hostmem import numpy_view
 
-    return jax.device_put(np.array(numpy_view(t.detach())[0]).reshape(-1), device)
+    host = np.array(numpy_view(t.detach())[0])
+    return jax.device_put(host if shaped else host.reshape(-1), device)
 
 
 def raise_if_oom(e: BaseException, what: str, requested: int) -> None:
@@ -61,10 +71,12 @@ def raise_if_oom(e: BaseException, what: str, requested: int) -> None:
     _oom.raise_if_oom(e, what, requested)
 
 
-def new_tensor(flat, shape, dtype: torch.dtype, host: bool = False) -> torch.Tensor:
-    """A device tensor over ``flat`` (no copy); ``host``: a CPU tensor (an output on the CPU: a step
-    count's new value)."""
+def new_tensor(array, shape, dtype: torch.dtype, host: bool = False) -> torch.Tensor:
+    """A device tensor over ``array`` (no copy), flat or of ``shape`` (then a ``Shaped`` storage value);
+    ``host``: a CPU tensor (an output on the CPU: a step count's new value)."""
     from tpudist.device import _core
 
-    out = _core.new_tensor(tuple(shape), dtype, value=flat)
+    shape = tuple(shape)
+    value = array if array.ndim == 1 else _core.Shaped(array)  # 1-d: flat and shaped are the same
+    out = _core.new_tensor(shape, dtype, value=value)
     return _core.to_cpu(out) if host else out

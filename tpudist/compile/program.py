@@ -55,6 +55,8 @@ class Stats:
     xla_compiles: int = 0  # XLA compilations JAX's persistent cache did not serve
     compile_seconds: float = 0.0  # tracing + lowering + XLA (or loading from disk)
     calls: int = 0
+    shaped_results: int = 0  # saved activations device programs returned in their own shape (SAVED_META)
+    shaped_inputs: int = 0  # ... and took so, without a reshape
     # Seconds per program name ("forward", "backward", "inference") since the process started:
     # whole calls (boundary crossings included), and the XLA program alone (dispatch until its
     # results are ready; CPU programs only). Benchmarks read where a compiled step's time goes.
@@ -75,6 +77,20 @@ class Stats:
 
 STATS = Stats()
 _cache: dict[str, "_Executable"] = {}
+# gm.meta key: the names of the activations a forward graph computes and saves for its backward, set
+# on both graphs by the backend's partition (mark_saved). A device program returns and takes them in
+# their own shape, where everything else crosses its edge flat.
+SAVED_META = "tpudist_saved_activations"
+
+
+def mark_saved(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> None:
+    """Marks on both graphs the tensors ``forward`` computes that ``backward`` takes (AOTAutograd names
+    the backward's inputs after the forward's saved nodes). An input the forward passes through (a
+    parameter saved for the backward) is not its result: it crosses as its storage holds it."""
+    out = next(n for n in forward.graph.nodes if n.op == "output")
+    computed = {a.name for a in out.args[0] if isinstance(a, torch.fx.Node) and a.op != "placeholder"}
+    taken = {n.name for n in backward.graph.nodes if n.op == "placeholder"}
+    forward.meta[SAVED_META] = backward.meta[SAVED_META] = frozenset(computed & taken)
 _lock = threading.Lock()
 _listening = []
 
@@ -175,6 +191,11 @@ class GraphProgram:
             # xla_options={"xla_cpu_experimental_ynn_fusion_type": <XLA's default>} undoes it.
             self._xla_options = {"xla_cpu_multi_thread_eigen": False, "xla_cpu_experimental_ynn_fusion_type": "",
                                  **self._xla_options}
+        # device programs: which inputs and results are of their own shape, not flat (saved activations)
+        saved = gm.meta.get(SAVED_META, frozenset()) if self._on_device else frozenset()
+        self._shaped_in = tuple(placeholders[i].name in saved for i in self._tensor_at)
+        self._shaped_out = tuple(n.name in saved for n in self._output_nodes)
+        self._num_shaped = (sum(self._shaped_in), sum(self._shaped_out))
         self._const_arrays = None
         self._result_types = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in self._output_nodes]
         self._precision = precision.current()
@@ -218,6 +239,7 @@ class GraphProgram:
         h.update((code if self._collectives is None else self._collectives.canonical(code)).encode())
         h.update(repr([(a.shape, str(a.dtype)) for a in self._avals]).encode())
         h.update(b"device" if self._on_device else b"cpu")
+        h.update(repr((self._shaped_in, self._shaped_out)).encode())
         h.update(repr(sorted(self._xla_options.items())).encode())
         for name, value in self._constants:
             h.update(name.encode())
@@ -280,14 +302,15 @@ class GraphProgram:
         const_avals = [jax.ShapeDtypeStruct(tuple(v.shape), _jax_dtype(v.dtype)) for _, v in self._constants]
         avals = list(self._avals)
         fn = program
-        if self._on_device:  # flat in, flat out: a storage's array enters and leaves as it is
-            shapes = [a.shape for a in avals]
+        if self._on_device:  # a storage's array enters and leaves as it is: flat, or shaped (saved activations)
+            shapes, shaped_in, shaped_out = [a.shape for a in avals], self._shaped_in, self._shaped_out
 
-            def fn(key_data, consts, *flat):  # noqa: F811
-                outs = program(key_data, consts, *[f.reshape(s) for f, s in zip(flat, shapes)])
-                return [o.reshape(-1) for o in outs]
+            def fn(key_data, consts, *arrays):  # noqa: F811
+                outs = program(key_data, consts, *[a.reshape(s) for a, s in zip(arrays, shapes)])
+                return [o if shaped else o.reshape(-1) for o, shaped in zip(outs, shaped_out)]
 
-            avals = [jax.ShapeDtypeStruct((math.prod(a.shape),), a.dtype) for a in avals]
+            avals = [jax.ShapeDtypeStruct(a.shape if shaped else (math.prod(a.shape),), a.dtype)
+                     for a, shaped in zip(avals, shaped_in)]
         if self._collectives is not None:
             fn = self._collectives.wrap(program, len(avals))
             key_aval, const_avals, avals = (self._collectives.global_aval(key_aval),
@@ -384,7 +407,8 @@ class GraphProgram:
     def _run_on_device(self, tensors: list) -> list:
         try:
             return self._exe.compiled(self._device_key(), self._consts(),
-                                      *[device_io.flat_input(t, self._device) for t in tensors])
+                                      *[device_io.program_input(t, self._device, shaped)
+                                        for t, shaped in zip(tensors, self._shaped_in)])
         except Exception as e:
             results = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self._result_types)
             device_io.raise_if_oom(e, f"the compiled {self.name} graph's program", results)
@@ -405,6 +429,8 @@ class GraphProgram:
                 outs = self._collectives.run(self, tensors, keep)  # this rank's blocks: (1, *shape)
             elif self._on_device:
                 outs = self._run_on_device(tensors)
+                STATS.shaped_inputs += self._num_shaped[0]
+                STATS.shaped_results += self._num_shaped[1]
             else:
                 arrays = boundary.to_jax(tensors, self._avals, self._sharding, self._device, keep)
                 outs = self._computed(self._run(arrays))

@@ -37,8 +37,8 @@ from tpudist.device import _layouts
 from tpudist.device import _runtime as rt
 from tpudist.device import views
 from tpudist.device._storage import (  # noqa: F401  (re-exported: the kernels module uses them from here)
-    _ATTR, X64, Buffer, Lazy, _create_empty, _fast, _retype, buffer_of, flush, from_cpu, is_tpu, new_tensor,
-    tensor_over, to_cpu, to_jax, to_torch, value_of,
+    _ATTR, X64, Buffer, Lazy, Shaped, _create_empty, _fast, _retype, buffer_of, concrete, flush, from_cpu, is_tpu,
+    new_tensor,    tensor_over, to_cpu, to_jax, to_torch, value_of,
 )
 
 aten = torch.ops.aten

@@ -26,7 +26,7 @@ from tpudist.device._core import (
 )
 from tpudist.device._debug import check_indices, check_nans
 from tpudist.device._storage import (
-    X64, Lazy, buffer_of, flush, from_cpu, is_tpu, new_tensor, to_jax, to_torch, value_of,
+    X64, Lazy, Shaped, buffer_of, concrete, flush, from_cpu, is_tpu, new_tensor, to_jax, to_torch, value_of,
 )
 from tpudist.device._storage import outputs as _outputs
 
@@ -88,9 +88,8 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
     arrays = []
     for b in buffers:
         v = b.value
-        if v.__class__ is Lazy:
-            flush()
-            arrays = [b.value for b in buffers]
+        if v.__class__ is Lazy or v.__class__ is Shaped:
+            arrays = [concrete(b) for b in buffers]
             break
         arrays.append(v)
     if mode == "debug":
@@ -196,11 +195,12 @@ def _host_view(x: torch.Tensor, mirrors: dict) -> torch.Tensor:
     buf = buffer_of(x)
     entry = mirrors.get(id(buf))
     if entry is None:
-        if buf.value is None:  # unwritten: reads as zeros
+        value = concrete(buf)
+        if value is None:  # unwritten: reads as zeros
             before, host = None, torch.zeros(buf.numel, dtype=buf.dtype)
         else:
-            before = np.asarray(buf.value)  # the device value: immutable, the snapshot to compare with
-            host = to_torch(buf.value).reshape(-1)
+            before = np.asarray(value)  # the device value: immutable, the snapshot to compare with
+            host = to_torch(value).reshape(-1)
         entry = mirrors[id(buf)] = (buf, host, before)
     host = entry[1]
     host = host.view(x.dtype) if host.dtype != x.dtype else host

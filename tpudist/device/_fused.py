@@ -30,7 +30,7 @@ from tpudist import matmul_precision as precision
 from tpudist.device import _hoist, _oom, _storage
 from tpudist.device import _runtime as rt
 from tpudist.device._core import result_of
-from tpudist.device._storage import _ATTR, X64, Lazy, _source_fingerprint
+from tpudist.device._storage import _ATTR, X64, Lazy, Shaped, _source_fingerprint
 from tpudist.device._storage import outputs as _outputs
 
 _CAP_ENV = "TPUDIST_FUSED_MAX_OPS"
@@ -67,6 +67,8 @@ def record(kernel, leaves, buffers, scalars):
     refs = []
     for b in buffers:
         v = b.value
+        if v.__class__ is Shaped:
+            v = _storage.concrete(b)
         if v is None:
             refs.append(None)
         elif v.__class__ is Lazy:

@@ -60,9 +60,7 @@ def __deepcopy__(self, memo):
     buf = _core.buffer_of(self)
     base = memo.get(id(buf))
     if base is None:
-        if isinstance(buf.value, _core.Lazy):
-            _core.flush()
-        base = memo[id(buf)] = _core.new_tensor((buf.numel,), buf.dtype, buf.value)
+        base = memo[id(buf)] = _core.new_tensor((buf.numel,), buf.dtype, _core.concrete(buf))
         memo.setdefault(id(memo), []).append(buf)  # keep buf alive while its id is a memo key
     if base.dtype != self.dtype:
         base = base.view(self.dtype)

@@ -2,7 +2,8 @@
 
 A "tpu" tensor is a real PrivateUse1 TensorImpl over an empty storage whose Python object holds a
 ``Buffer``: the flat ``jax.Array`` of the storage, a ``Lazy`` value a pending fused graph will
-compute, or None before anything was written (reads as zeros). Every alias shares it.
+compute, a ``Shaped`` result of a compiled program, or None before anything was written (reads as
+zeros). Every alias shares it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ X64 = _jax_config.enable_x64
 
 
 class Buffer:
-    """What a tpu storage holds: ``value`` is a flat jax.Array, a fused ``Lazy`` or None (unwritten).
+    """What a tpu storage holds: ``value`` is a flat jax.Array, a fused ``Lazy``, a ``Shaped`` array or
+    None (unwritten). Code that reads the array itself takes ``concrete(buf)``.
 
     ``outputs`` (C++) makes Buffers and ``Lazy`` values without calling ``__init__``: keep both
     ``__init__`` methods plain stores of their arguments."""
@@ -101,10 +103,8 @@ def resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
     if numel == 0 or buf.value is None:
         buf.value = None
     else:
-        if isinstance(buf.value, Lazy):
-            flush()
         with jax.enable_x64(True):
-            kept = buf.value[:numel]
+            kept = concrete(buf)[:numel]
             buf.value = jnp.pad(kept, (0, numel - kept.shape[0])) if kept.shape[0] < numel else kept
     buf.numel = numel
 
@@ -164,10 +164,12 @@ _READERS: dict = {}
 def value_of(t: torch.Tensor):
     """The concrete jax.Array value of a tpu tensor (flushes a pending fused graph first)."""
     buf = buffer_of(t)
-    if isinstance(buf.value, Lazy):
-        flush()
-    flat = buf.value
     sizes, strides, offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
+    shaped = buf.value
+    if (shaped.__class__ is Shaped and shaped.array.shape == sizes and offset == 0 and buf.dtype == t.dtype
+            and views.is_contiguous(sizes, strides)):
+        return shaped.array  # the whole of a compiled program's result, as it came
+    flat = concrete(buf)
     want = tops.to_jax_dtype(t.dtype)
     if flat is None or 0 in sizes:
         return jnp.zeros(sizes, want)
@@ -259,6 +261,32 @@ class Lazy:
 
     def __init__(self, graph, index):
         self.graph, self.index = graph, index
+
+
+class Shaped:
+    """A storage value a compiled program made in its result's own shape (``array``, row-major): the
+    activations a compiled forward saves for its backward. They stay so, and the backward takes them as
+    they are: on a TPU a flat array and an N-d one have different tiled layouts, so each reshape
+    between them is a copy of the whole tensor (the f32 logits: 1 GB written, then read back). The
+    device's own programs read storages flat: ``concrete`` flattens a Shaped value there, once."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
+
+
+def concrete(buf: Buffer):
+    """``buf``'s value as the device's programs read storages: a flat jax.Array, or None (unwritten).
+    Runs a pending fused graph; flattens a ``Shaped`` value in place."""
+    value = buf.value
+    if value.__class__ is Lazy:
+        flush()
+        value = buf.value
+    if value.__class__ is Shaped:
+        value = buf.value = value.array.reshape(-1)
+        rt.stats["shaped_flattened"] += 1
+    return value
 
 
 _run_pending = None  # Fused mode's flush, registered by _fused (on_flush): None until it is imported

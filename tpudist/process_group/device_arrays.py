@@ -123,9 +123,7 @@ def prepare(key: ProgramKey, me: int, inputs: list, widths: list[int], layout: s
 
         in_views = tuple(view_of(t) for t in inputs)
         out_specs = tuple((view_of(t), index) for t, index in outputs)
-        if any(isinstance(b.value, _storage.Lazy) for b in buffers):
-            _storage.flush()
-        arrays = tuple(b.value for b in buffers)
+        arrays = tuple(_storage.concrete(b) for b in buffers)
     slots = tuple((b.numel, b.dtype, a is None) for b, a in zip(buffers, arrays))
     plan = Plan(key, me, slots, in_views, tuple(widths), layout, out_specs)
     return DeviceCall(plan, tuple(a for a in arrays if a is not None), tuple(buffers))
