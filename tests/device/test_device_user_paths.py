@@ -370,7 +370,9 @@ def test_hugging_face_trainer_trains_like_cpu(dev, mode):
     assert len(out["cpu"]["losses"]) == 3
     assert out["tpu"]["losses"] == pytest.approx(out["cpu"]["losses"], rel=1e-5)
     for name, want in out["cpu"]["params"].items():
-        torch.testing.assert_close(out["tpu"]["params"][name], want, rtol=1e-4, atol=1e-5, msg=name)
+        # AdamW at lr 1e-2 normalises each step: a gradient near 0 moves its parameter by up to lr whatever
+        # its rounding, so CPU kernels that round differently move it too (1.05e-5 on an AVX512 AMD EPYC)
+        torch.testing.assert_close(out["tpu"]["params"][name], want, rtol=1e-4, atol=5e-5, msg=name)
         assert torch.equal(out["resumed"]["params"][name], out["tpu"]["params"][name]), name  # from checkpoint-2
         assert torch.equal(out["saved"][name], out["tpu"]["params"][name]), name  # save_pretrained round trip
     # data_ptr() of a tpu storage: aliases (the tied embedding) equal, every other parameter distinct

@@ -469,7 +469,10 @@ def run_case(name: str, way: str) -> dict:
             state_err, worst_state = e, k
     out_err = 0.0 if want_out is None else ((out - want_out).abs().max() / want_out.abs().max()).item()
     inexact = sorted(k for k in want_grads[0] if not torch.equal(want_grads[0][k], grads[0][k]))
+    dtype = next(first.parameters()).dtype  # the gradients come back as float32 copies
+    ulps = {k: _ulps(want_grads[0][k].to(dtype), grads[0][k].to(dtype)) for k in inexact} if dtype.itemsize == 2 else {}
     return {"loss": loss_err, "grad": grad_err, "worst_grad": worst_grad, "state": state_err, "inexact": inexact,
+            "ulps": ulps,
             "worst_state": worst_state, "eval": out_err, "fallbacks": fallbacks, "losses": losses}
 
 
@@ -480,6 +483,15 @@ def run_case(name: str, way: str) -> dict:
 # compiled are not probed.
 
 FP32 = dict(loss=1e-5, grad=1e-4, state=1e-3, eval=1e-4)
+
+
+def _ulps(want, got) -> tuple[float, int]:
+    """(the fraction of elements that differ, the most units in the last place one differs by) of two
+    16-bit float tensors (their bit patterns as integers: adjacent values of one sign differ by one)."""
+    import torch
+
+    distance = (want.view(torch.int16).int() - got.view(torch.int16).int()).abs()
+    return (want != got).float().mean().item(), int(distance.max().item())
 
 
 def _check(out, tol):
@@ -505,16 +517,19 @@ def test_compiled_models_train_like_cpu(dev, name):
 
 
 def test_bf16_resnet_trains_like_cpu_bf16(dev):
-    """model.to(torch.bfloat16): the forward and the step-1 gradients are bit-equal to CPU's bf16 for every
-    parameter past the stem (they failed before the batch norm and log_softmax fixes: every gradient
-    differed). The stem's gradients differ by 1 ulp in ~0.4% of elements: the CPU's max_pool2d backward
-    adds overlapping windows into bf16 one by one, the device in float32. Those ulps then move the
-    gradient-clipping coefficient, so later steps are compared at bf16 tolerances. The reported bf16 loss
-    may be 1 ulp off: the CPU's nll_loss sums the batch in bf16 (a cascade of bf16 partial sums), the
-    device in float32; its gradient does not depend on that sum."""
+    """model.to(torch.bfloat16): the forward and the step-1 gradients equal CPU's bf16 for every parameter
+    past the stem, bit for bit on most CPUs (they failed before the batch norm and log_softmax fixes: every
+    gradient differed). On a CPU with native bf16 dot products (AVX512-BF16: oneDNN's bf16 convolution
+    backward), a few elements of a conv weight's gradient past the stem are 1 ulp off (0.17% of
+    layer1.0.conv1.weight's, measured on an AMD EPYC). The stem's gradients differ more: the CPU's
+    max_pool2d backward adds overlapping windows into bf16 one by one, the device in float32. Those ulps
+    then move the gradient-clipping coefficient, so later steps are compared at bf16 tolerances. The
+    reported bf16 loss may be 1 ulp off: the CPU's nll_loss sums the batch in bf16 (a cascade of bf16
+    partial sums), the device in float32; its gradient does not depend on that sum."""
     out = dev(run_case, "ResNet_bf16", "strict")
     _check(out, dict(loss=2e-2, grad=5e-2, eval=5e-2))
-    assert set(out["inexact"]) <= {"conv1.weight", "bn1.weight", "bn1.bias"}, out
+    past_stem = {k: out["ulps"][k] for k in out["inexact"] if k not in {"conv1.weight", "bn1.weight", "bn1.bias"}}
+    assert all(ulp <= 1 and fraction <= 0.01 for fraction, ulp in past_stem.values()), (past_stem, out)
 
 
 def run_activation_backwards(mode: str) -> dict:
