@@ -324,6 +324,31 @@ def test_dropout_seeded_masks_and_keep_rate():
     assert torch.equal(x.grad, a.detach())  # the backward reuses the forward's mask
 
 
+def _layouts(x):
+    """Results torch lays out densely but not row-major, and one with gaps (comes out contiguous)."""
+    return ((x * 2).transpose(1, 3), x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) + 1,
+            (x + 1).contiguous(memory_format=torch.channels_last), x[:, :, ::2] * 3, (x * 5)[:, :, ::2])
+
+
+def test_results_keep_eager_strides():
+    """A transposed result and channels_last ones come back with eager's strides, so code that views
+    them works as in eager (a view of eager's layout raised on the contiguous copies this returned);
+    values and gradients equal eager's."""
+    x = torch.randn(2, 3, 4, 5)
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = torch.compile(_layouts, backend="tpu", fullgraph=True, dynamic=False)(xc), _layouts(xe)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if i < 4:
+            assert g.stride() == w.stride(), (i, g.stride(), w.stride())
+        torch.testing.assert_close(g, w, msg=str(i))
+    torch.testing.assert_close(got[0].transpose(1, 3).view(-1), want[0].transpose(1, 3).view(-1))
+    torch.testing.assert_close(got[2].permute(0, 2, 3, 1).view(-1, 3), want[2].permute(0, 2, 3, 1).view(-1, 3))
+    weights = [torch.randn(w.shape) for w in want]
+    sum((g * k).sum() for g, k in zip(got, weights)).backward()
+    sum((w * k).sum() for w, k in zip(want, weights)).backward()
+    torch.testing.assert_close(xc.grad, xe.grad)
+
+
 _DEVICE_CHILD = textwrap.dedent("""
     import copy, json, torch, torch.nn.functional as F
     import tpudist.device  # renames PrivateUse1 for the whole process: hence a process of its own

@@ -53,3 +53,24 @@ def test_a_saved_activation_the_caller_keeps_reads_as_cpu(mode):
     assert STATS.shaped_results > before  # y left the forward in its own shape
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _layouts(x):
+    return ((x * 2).transpose(1, 3), (x + 1).contiguous(memory_format=torch.channels_last), x[:, :, ::2] * 3)
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_results_keep_eager_strides(mode):
+    """A compiled graph's results on the device keep eager's dense strides (their storage in that
+    physical order), so views of eager's layout work; values and gradients as CPU eager."""
+    torch._dynamo.reset()  # noqa: SLF001
+    x = torch.randn(2, 3, 4, 5)
+    xd, xe = x.to("tpu").requires_grad_(), x.clone().requires_grad_()
+    got, want = torch.compile(_layouts, backend="tpu", fullgraph=True, dynamic=False)(xd), _layouts(xe)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.stride() == w.stride(), (i, g.stride(), w.stride())
+        torch.testing.assert_close(g.cpu(), w.detach(), msg=str(i))
+    torch.testing.assert_close(got[1].permute(0, 2, 3, 1).view(-1, 3).cpu(), want[1].permute(0, 2, 3, 1).view(-1, 3))
+    sum(g.sum() * (i + 1) for i, g in enumerate(got)).backward()
+    sum(w.sum() * (i + 1) for i, w in enumerate(want)).backward()
+    torch.testing.assert_close(xd.grad.cpu(), xe.grad)

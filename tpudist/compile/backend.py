@@ -209,7 +209,7 @@ def _partition(joint, joint_inputs, **kwargs):
     graphs = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     for gm in graphs:
         host_constants(gm)
-    mark_saved(*graphs)
+    mark_saved(*graphs, kwargs["num_fwd_outputs"])
     return graphs
 
 

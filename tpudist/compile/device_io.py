@@ -71,12 +71,13 @@ def raise_if_oom(e: BaseException, what: str, requested: int) -> None:
     _oom.raise_if_oom(e, what, requested)
 
 
-def new_tensor(array, shape, dtype: torch.dtype, host: bool = False) -> torch.Tensor:
+def new_tensor(array, shape, dtype: torch.dtype, host: bool = False, strides=None) -> torch.Tensor:
     """A device tensor over ``array`` (no copy), flat or of ``shape`` (then a ``Shaped`` storage value);
-    ``host``: a CPU tensor (an output on the CPU: a step count's new value)."""
+    of the dense ``strides`` where given (then ``array`` is flat, in their physical order); ``host``: a CPU
+    tensor (an output on the CPU: a step count's new value)."""
     from tpudist.device import _core
 
     shape = tuple(shape)
     value = array if array.ndim == 1 else _core.Shaped(array)  # 1-d: flat and shaped are the same
-    out = _core.new_tensor(shape, dtype, value=value)
-    return _core.to_cpu(out) if host else out
+    out = _core.new_tensor(shape, dtype, value=value, strides=strides)
+    return _core.to_cpu(out, strides) if host else out

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.fx
 
+from tpudist import _strides
 from tpudist import matmul_precision as precision
 from tpudist.compile import boundary, device_io
 from tpudist.compile.errors import UnsupportedGraph, missing_op_error, user_line
@@ -77,20 +78,28 @@ class Stats:
 
 STATS = Stats()
 _cache: dict[str, "_Executable"] = {}
-# gm.meta key: the names of the activations a forward graph computes and saves for its backward, set
-# on both graphs by the backend's partition (mark_saved). A device program returns and takes them in
-# their own shape, where everything else crosses its edge flat.
+# gm.meta key of a Saved record: the activations a forward graph computes and saves for its backward,
+# set on both graphs by the backend's partition (mark_saved). They leave the forward row-major (torch's
+# strides matter to the caller's results only), and a device program returns and takes them in their
+# own shape, where everything else crosses its edge flat.
 SAVED_META = "tpudist_saved_activations"
 
 
-def mark_saved(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> None:
+@dataclass(frozen=True)
+class Saved:
+    names: frozenset  # the saved nodes (the forward's names, the backward's placeholders)
+    first: int | None  # the forward's first output position that is saved (None on the backward)
+
+
+def mark_saved(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, num_fwd_outputs: int) -> None:
     """Marks on both graphs the tensors ``forward`` computes that ``backward`` takes (AOTAutograd names
-    the backward's inputs after the forward's saved nodes). An input the forward passes through (a
-    parameter saved for the backward) is not its result: it crosses as its storage holds it."""
+    the backward's inputs after the forward's saved nodes and returns them after the caller's
+    ``num_fwd_outputs``). An input the forward passes through (a parameter saved for the backward) is
+    not its result: it crosses as its storage holds it."""
     out = next(n for n in forward.graph.nodes if n.op == "output")
     computed = {a.name for a in out.args[0] if isinstance(a, torch.fx.Node) and a.op != "placeholder"}
-    taken = {n.name for n in backward.graph.nodes if n.op == "placeholder"}
-    forward.meta[SAVED_META] = backward.meta[SAVED_META] = frozenset(computed & taken)
+    names = frozenset(computed & {n.name for n in backward.graph.nodes if n.op == "placeholder"})
+    forward.meta[SAVED_META], backward.meta[SAVED_META] = Saved(names, num_fwd_outputs), Saved(names, None)
 _lock = threading.Lock()
 _listening = []
 
@@ -191,13 +200,21 @@ class GraphProgram:
             # xla_options={"xla_cpu_experimental_ynn_fusion_type": <XLA's default>} undoes it.
             self._xla_options = {"xla_cpu_multi_thread_eigen": False, "xla_cpu_experimental_ynn_fusion_type": "",
                                  **self._xla_options}
-        # device programs: which inputs and results are of their own shape, not flat (saved activations)
-        saved = gm.meta.get(SAVED_META, frozenset()) if self._on_device else frozenset()
-        self._shaped_in = tuple(placeholders[i].name in saved for i in self._tensor_at)
-        self._shaped_out = tuple(n.name in saved for n in self._output_nodes)
+        # the caller's results torch lays out densely but not row-major (a transposed result, channels_last)
+        # leave the program in that physical order and come back with torch's strides; saved activations
+        # leave row-major and, from device programs, in their own shape (not flat), as backwards take them
+        saved = gm.meta.get(SAVED_META, Saved(frozenset(), None))
+        positions = [p for p, o in enumerate(self._outputs) if o.kind == "array"]
+        for_backward = [saved.first is not None and p >= saved.first for p in positions]
+        self._orders = [None if kept else _dense_order(n.meta["val"])
+                        for n, kept in zip(self._output_nodes, for_backward)]
+        self._shaped_in = tuple(self._on_device and placeholders[i].name in saved.names for i in self._tensor_at)
+        self._shaped_out = tuple(self._on_device and kept and n.name in saved.names
+                                 for n, kept in zip(self._output_nodes, for_backward))
         self._num_shaped = (sum(self._shaped_in), sum(self._shaped_out))
         self._const_arrays = None
-        self._result_types = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in self._output_nodes]
+        self._result_types = [(_physical_shape(n.meta["val"].shape, order), n.meta["val"].dtype)
+                              for n, order in zip(self._output_nodes, self._orders)]
         self._precision = precision.current()
         self.key = self._key()
         STATS.graphs += 1
@@ -239,7 +256,7 @@ class GraphProgram:
         h.update((code if self._collectives is None else self._collectives.canonical(code)).encode())
         h.update(repr([(a.shape, str(a.dtype)) for a in self._avals]).encode())
         h.update(b"device" if self._on_device else b"cpu")
-        h.update(repr((self._shaped_in, self._shaped_out)).encode())
+        h.update(repr((self._shaped_in, self._shaped_out, self._orders)).encode())
         h.update(repr(sorted(self._xla_options.items())).encode())
         for name, value in self._constants:
             h.update(name.encode())
@@ -296,7 +313,7 @@ class GraphProgram:
             with keys(source):
                 outs = interpret(self._gm, list(arrays), consts, self._output_nodes, self._collectives)
             num_keys[0] = source.num_drawn
-            return outs
+            return [o if order is None else jax.numpy.transpose(o, order) for o, order in zip(outs, self._orders)]
 
         key_aval = jax.ShapeDtypeStruct((2,), np.uint32)
         const_avals = [jax.ShapeDtypeStruct(tuple(v.shape), _jax_dtype(v.dtype)) for _, v in self._constants]
@@ -439,12 +456,15 @@ class GraphProgram:
         for o in self._outputs:
             if o.kind == "array" and self._on_device:
                 val = self._output_nodes[o.index].meta["val"]
-                results.append(device_io.new_tensor(outs[o.index], val.shape, o.dtype, host=val.device.type == "cpu"))
+                strides = None if self._orders[o.index] is None else tuple(val.stride())
+                results.append(device_io.new_tensor(outs[o.index], val.shape, o.dtype, host=val.device.type == "cpu",
+                                                    strides=strides))
             elif o.kind == "array" and self._collectives is None:
-                results.append(outs[o.index])
+                results.append(self._with_strides(outs[o.index], o.index))
             elif o.kind == "array":
                 out = boundary.to_torch(outs[o.index], o.dtype)
-                results.append(boundary.drop_leading(out, self._collectives.num_block_dims))
+                results.append(self._with_strides(boundary.drop_leading(out, self._collectives.num_block_dims),
+                                                  o.index))
             elif o.kind == "input":
                 results.append(passthrough[o.index])
             elif o.kind == "none":
@@ -454,6 +474,35 @@ class GraphProgram:
         _add(STATS.call_seconds, self.name, time.perf_counter() - start)
         _add(STATS.call_cpu_seconds, self.name, time.thread_time() - start_cpu)
         return results
+
+
+    def _with_strides(self, t: torch.Tensor, index: int) -> torch.Tensor:
+        """A result in its physical order (``_orders``) as a tensor of torch's shape and strides over the
+        same memory (a tensor of its own, not a view: see ``boundary.drop_leading``)."""
+        if self._orders[index] is None:
+            return t
+        val = self._output_nodes[index].meta["val"]
+        out = torch.empty(0, dtype=t.dtype)
+        with torch.no_grad():
+            out.set_(t.untyped_storage(), t.storage_offset(), tuple(val.shape), tuple(val.stride()))
+        return out
+
+
+def _dense_order(val) -> tuple[int, ...] | None:
+    """The dim order of a result whose strides torch lays out densely but not row-major (a transposed
+    result, channels_last), or None (row-major, or a layout with gaps or overlaps: those come out
+    contiguous, as the device makes them)."""
+    if not isinstance(val, torch.Tensor) or val.layout != torch.strided:
+        return None
+    shape, strides = tuple(val.shape), tuple(val.stride())
+    if _strides.is_contiguous(shape, strides):
+        return None
+    order = _strides.permuted_order(shape, strides)
+    return None if order is None or order == tuple(range(len(shape))) else order
+
+
+def _physical_shape(shape, order) -> tuple[int, ...]:
+    return tuple(shape) if order is None else tuple(shape[d] for d in order)
 
 
 def _add(seconds: dict, name: str, value: float) -> None:
