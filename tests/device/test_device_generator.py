@@ -303,3 +303,18 @@ def test_an_unseeded_process_starts_from_torchs_default_seed():
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(torch.Generator().initial_seed()), "True"]
+
+
+def test_negative_poisson_rates_raise_in_debug_mode():
+    """torch's CPU kernel refuses a negative (or NaN) rate; Debug mode makes that data-dependent check
+    with torch's message, Strict draws -1 there (docs/device.md's limits)."""
+    rates = torch.tensor([1.0, -2.0, 3.0])
+    with pytest.raises(RuntimeError, match="expected rate to be non-negative"):
+        torch.poisson(rates)
+    with torch.tpu.eager_mode("debug"):
+        for bad in (rates, torch.tensor([float("nan"), 1.0])):
+            with pytest.raises(RuntimeError, match="expected rate to be non-negative.*found (-2|nan)"):
+                torch.poisson(bad.to("tpu"))
+        assert torch.poisson(torch.tensor([0.0, 2.0]).to("tpu")).cpu()[0] == 0
+    with torch.tpu.eager_mode("strict"):
+        assert torch.poisson(rates.to("tpu")).cpu()[1] == -1

@@ -1,4 +1,4 @@
-"""Debug mode's checks: indices XLA would clamp silently, and NaNs."""
+"""Debug mode's checks: indices XLA would clamp silently, arguments it would draw from silently, NaNs."""
 
 from __future__ import annotations
 
@@ -38,6 +38,16 @@ def _index_checks(op, args, kwargs):
                 checks.append((index, args[0].shape[dim], dim, True))
         return checks
     return ()
+
+
+def check_arguments(op, args, kwargs):
+    """Debug mode: the data-dependent checks torch's kernels make and XLA's programs do not, on the host."""
+    check_indices(op, args, kwargs)
+    if op is aten.poisson.default and is_tpu(args[0]) and args[0].numel():
+        rates = np.asarray(value_of(args[0]), np.float64)
+        if not (rates >= 0).all():  # NaN too, as torch's CPU kernel
+            raise RuntimeError("invalid Poisson rate, expected rate to be non-negative (torch's check; debug mode "
+                               f"makes it, strict and fused modes draw -1 there): found {rates[~(rates >= 0)][0]}")
 
 
 def check_indices(op, args, kwargs):

@@ -24,7 +24,7 @@ from tpudist.device._core import (
     _F64, _KERNELS, _STATIC_FLOAT_OPS, PRECISION, _DataDependent, _device_mismatch, _Generalised, _resolve,
     _signature, result_of,
 )
-from tpudist.device._debug import check_indices, check_nans
+from tpudist.device._debug import check_arguments, check_nans
 from tpudist.device._storage import (
     X64, Lazy, Shaped, buffer_of, concrete, flush, from_cpu, is_tpu, new_tensor, to_jax, to_torch, value_of,
 )
@@ -93,7 +93,7 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
             break
         arrays.append(v)
     if mode == "debug":
-        check_indices(op, args, kwargs)
+        check_arguments(op, args, kwargs)
     try:
         # jax.jit keys its programs by the matmul precision too: a new setting traces the kernel again
         prev_precision = PRECISION.swap_local(precision.jax_name(precision.current())) if kernel.matmul else None

@@ -134,7 +134,7 @@ def exponential(x, lambd=1.0, *, generator=None):
 def poisson(rates, generator=None):
     """One Poisson count per rate, in the rates' dtype (JAX draws the counts as integers; 16-bit rates draw in
     float32). A rate of 0 gives 0. torch's CPU kernel raises on a negative rate: a data-dependent check the
-    device does not make (as it makes no index checks outside Debug mode); JAX returns -1 there."""
+    device makes in Debug mode only (as its index checks); JAX returns -1 there."""
     counts = jax.random.poisson(next_key(), upcast(rates), rates.shape, dtype=jnp.int64)
     return counts.astype(rates.dtype)
 
