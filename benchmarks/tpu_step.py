@@ -230,7 +230,8 @@ class CompileCounter:
             from tpudist.compile.program import STATS
 
             out.update(compile_graphs=STATS.graphs, compile_programs=STATS.programs_compiled,
-                       compile_s=STATS.compile_seconds)
+                       compile_s=STATS.compile_seconds, compile_flat_edge_mib=STATS.flat_edge_bytes / 2**20,
+                       compile_shaped=STATS.shaped_results + STATS.shaped_inputs)
         return out
 
     def since(self, before: dict) -> dict:
@@ -254,6 +255,9 @@ def _compiles_text(c: dict) -> str:
     if c.get("compile_graphs"):
         parts.append(f"{c['compile_graphs']} torch.compile graphs ({c['compile_programs']} traced, "
                      f"{c['compile_s']:.1f} s)")
+    if c.get("compile_flat_edge_mib") or c.get("compile_shaped"):  # each flat N-d value: a relayout on a TPU
+        parts.append(f"{c['compile_flat_edge_mib']:.1f} MiB of N-d values crossed compiled programs' edges flat, "
+                     f"{c['compile_shaped']} saved activations in their own shape")
     return ", ".join(parts)
 
 

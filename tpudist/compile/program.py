@@ -58,6 +58,9 @@ class Stats:
     calls: int = 0
     shaped_results: int = 0  # saved activations device programs returned in their own shape (SAVED_META)
     shaped_inputs: int = 0  # ... and took so, without a reshape
+    # bytes of N-d values that crossed a device program's edge flat (parameters, gradients, the caller's
+    # results): on a TPU each such reshape is a relayout copy inside the program
+    flat_edge_bytes: int = 0
     # Seconds per program name ("forward", "backward", "inference") since the process started:
     # whole calls (boundary crossings included), and the XLA program alone (dispatch until its
     # results are ready; CPU programs only). Benchmarks read where a compiled step's time goes.
@@ -212,6 +215,10 @@ class GraphProgram:
         self._shaped_out = tuple(self._on_device and kept and n.name in saved.names
                                  for n, kept in zip(self._output_nodes, for_backward))
         self._num_shaped = (sum(self._shaped_in), sum(self._shaped_out))
+        edges = [*zip(((a.shape, a.dtype) for a in self._avals), self._shaped_in),
+                 *zip(((n.meta["val"].shape, n.meta["val"].dtype) for n in self._output_nodes), self._shaped_out)]
+        self._flat_edge_bytes = self._on_device and sum(_nbytes(*value) for value, shaped in edges
+                                                        if len(value[0]) > 1 and not shaped)
         self._const_arrays = None
         self._result_types = [(_physical_shape(n.meta["val"].shape, order), n.meta["val"].dtype)
                               for n, order in zip(self._output_nodes, self._orders)]
@@ -448,6 +455,7 @@ class GraphProgram:
                 outs = self._run_on_device(tensors)
                 STATS.shaped_inputs += self._num_shaped[0]
                 STATS.shaped_results += self._num_shaped[1]
+                STATS.flat_edge_bytes += self._flat_edge_bytes
             else:
                 arrays = boundary.to_jax(tensors, self._avals, self._sharding, self._device, keep)
                 outs = self._computed(self._run(arrays))
@@ -499,6 +507,10 @@ def _dense_order(val) -> tuple[int, ...] | None:
         return None
     order = _strides.permuted_order(shape, strides)
     return None if order is None or order == tuple(range(len(shape))) else order
+
+
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * (dtype.itemsize if isinstance(dtype, torch.dtype) else np.dtype(dtype).itemsize)
 
 
 def _physical_shape(shape, order) -> tuple[int, ...]:
