@@ -103,6 +103,8 @@ def mark_saved(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, nu
     computed = {a.name for a in out.args[0] if isinstance(a, torch.fx.Node) and a.op != "placeholder"}
     names = frozenset(computed & {n.name for n in backward.graph.nodes if n.op == "placeholder"})
     forward.meta[SAVED_META], backward.meta[SAVED_META] = Saved(names, num_fwd_outputs), Saved(names, None)
+
+
 _lock = threading.Lock()
 _listening = []
 
