@@ -132,9 +132,14 @@ def _copied(array: Any, dtype: torch.dtype) -> torch.Tensor:
 
 def drop_leading(t: torch.Tensor, n: int = 1) -> torch.Tensor:
     """A ``(1, ..., 1, *shape)`` block (``n`` ones) as a tensor of ``shape`` of its own over the same
-    memory (not a view: FSDP2 warns about blocks returning views, whose in-place use would skip its
-    backward hook)."""
+    memory (:func:`over_memory_of`)."""
+    return over_memory_of(t, t.shape[n:], t.stride()[n:])
+
+
+def over_memory_of(t: torch.Tensor, shape, strides) -> torch.Tensor:
+    """A tensor of ``shape`` and ``strides`` over ``t``'s memory from its offset, a tensor of its own, not
+    a view: FSDP2 warns about blocks returning views, whose in-place use would skip its backward hook."""
     out = torch.empty(0, dtype=t.dtype)
     with torch.no_grad():
-        out.set_(t.untyped_storage(), t.storage_offset(), t.shape[n:], t.stride()[n:])
+        out.set_(t.untyped_storage(), t.storage_offset(), tuple(shape), tuple(strides))
     return out

@@ -219,8 +219,8 @@ class GraphProgram:
         self._num_shaped = (sum(self._shaped_in), sum(self._shaped_out))
         edges = [*zip(((a.shape, a.dtype) for a in self._avals), self._shaped_in),
                  *zip(((n.meta["val"].shape, n.meta["val"].dtype) for n in self._output_nodes), self._shaped_out)]
-        self._flat_edge_bytes = self._on_device and sum(_nbytes(*value) for value, shaped in edges
-                                                        if len(value[0]) > 1 and not shaped)
+        self._flat_edge_bytes = (sum(_nbytes(*value) for value, shaped in edges if len(value[0]) > 1 and not shaped)
+                                 if self._on_device else 0)
         self._const_arrays = None
         self._result_types = [(_physical_shape(n.meta["val"].shape, order), n.meta["val"].dtype)
                               for n, order in zip(self._output_nodes, self._orders)]
@@ -488,14 +488,11 @@ class GraphProgram:
 
     def _with_strides(self, t: torch.Tensor, index: int) -> torch.Tensor:
         """A result in its physical order (``_orders``) as a tensor of torch's shape and strides over the
-        same memory (a tensor of its own, not a view: see ``boundary.drop_leading``)."""
+        same memory."""
         if self._orders[index] is None:
             return t
         val = self._output_nodes[index].meta["val"]
-        out = torch.empty(0, dtype=t.dtype)
-        with torch.no_grad():
-            out.set_(t.untyped_storage(), t.storage_offset(), tuple(val.shape), tuple(val.stride()))
-        return out
+        return boundary.over_memory_of(t, val.shape, val.stride())
 
 
 def _dense_order(val) -> tuple[int, ...] | None:

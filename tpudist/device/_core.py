@@ -38,7 +38,7 @@ from tpudist.device import _runtime as rt
 from tpudist.device import views
 from tpudist.device._storage import (  # noqa: F401  (re-exported: the kernels module uses them from here)
     _ATTR, X64, Buffer, Lazy, Shaped, _create_empty, _fast, _retype, buffer_of, concrete, flush, from_cpu, is_tpu,
-    new_tensor,    tensor_over, to_cpu, to_jax, to_torch, value_of,
+    new_tensor, tensor_over, to_cpu, to_jax, to_torch, value_of,
 )
 
 aten = torch.ops.aten
@@ -407,14 +407,7 @@ def _first_tensor_contiguous(leaf_specs) -> bool:
     for spec in leaf_specs:
         if spec[0] in ("T", "B", "V"):
             sizes, strides = spec[2], spec[3]
-            if 0 in sizes:
-                return True
-            expected = 1
-            for size, stride in zip(reversed(sizes), reversed(strides)):
-                if size != 1 and stride != expected:
-                    return False
-                expected *= size
-            return True
+            return 0 in sizes or views.is_contiguous(sizes, strides)
     return True
 
 
