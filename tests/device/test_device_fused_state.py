@@ -72,27 +72,43 @@ def test_adamw_loop_compiles_its_step_once(mode, variant):
     losses, programs, hoisted = _train(model, opt, "tpu")
     for step, (r, g) in enumerate(zip(ref, losses)):
         assert abs(r - g) <= _loss_rtol() * abs(r), (variant, step, losses, ref)
-    # step 1: the step's program, which every later step runs, and a one-op program per kind of state
-    # tensor (zeros_like of one shape; zeros(()) for device step counts) unless an earlier test made it
+    # step 1: the forward's program and the rest's (backward and optimizer step), which every later step
+    # runs, and a one-op program per kind of state tensor (zeros_like of one shape; zeros(()) for device
+    # step counts) and for the backward's seed (ones_like(loss), made in the forward's graph and kept
+    # past it) unless an earlier test made it
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.device.type == "tpu"]
-    kinds = {(tuple(v.shape), v.dtype) for v in state}
-    assert 1 <= programs[0] <= 1 + len(kinds) and programs[1:] == [0] * (STEPS - 1), (programs, kinds)
-    assert hoisted == [len(state)] + [0] * (STEPS - 1), (hoisted, len(state))
+    kinds = {(tuple(v.shape), v.dtype) for v in state} | {((), torch.float32)}
+    assert 2 <= programs[0] <= 2 + len(kinds) and programs[1:] == [0] * (STEPS - 1), (programs, kinds)
+    assert hoisted == [len(state) + 1] + [0] * (STEPS - 1), (hoisted, len(state))
 
 
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("mode", ["fused"], indirect=True)
-def test_a_loop_without_state_is_one_program(mode):
-    """SGD without momentum makes no state: nothing is split off, the causal mask's constants included."""
+def test_a_loop_without_state(mode, split, monkeypatch):
+    """SGD without momentum makes no state: nothing is split off, the causal mask's constants included,
+    but the backward's seed when the forward runs apart (the default); with
+    TPUDIST_FUSED_SPLIT_BACKWARD=0 the step is one program."""
+    monkeypatch.setenv("TPUDIST_FUSED_SPLIT_BACKWARD", "1" if split else "0")
+    dim = 56 if split else 72  # sizes of their own: a program of the other case would hide a miss
     torch.manual_seed(0)
-    ref_model = Transformer(ModelArgs(vocab_size=40, dim=56, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8))
-    model = Transformer(ModelArgs(vocab_size=40, dim=56, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8))
+    ref_model = Transformer(ModelArgs(vocab_size=40, dim=dim, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8))
+    model = Transformer(ModelArgs(vocab_size=40, dim=dim, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8))
     model.load_state_dict(ref_model.state_dict())
     ref, _, _ = _train(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), "cpu")
     model = model.to("tpu")
+    before = torch.tpu.cache_stats()
     losses, programs, hoisted = _train(model, torch.optim.SGD(model.parameters(), lr=0.1), "tpu")
+    after = torch.tpu.cache_stats()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=_loss_rtol(), atol=0)
-    assert programs == [1] + [0] * (STEPS - 1), programs
-    assert hoisted == [0] * STEPS, hoisted
+    splits = after.get("backward_splits", 0) - before.get("backward_splits", 0)
+    if split:  # the forward's program, the rest's, and the seed's one-op program unless an earlier test made it
+        assert 2 <= programs[0] <= 3 and programs[1:] == [0] * (STEPS - 1), programs
+        assert hoisted == [1] + [0] * (STEPS - 1), hoisted
+        assert splits == STEPS, splits
+    else:
+        assert programs == [1] + [0] * (STEPS - 1), programs
+        assert hoisted == [0] * STEPS, hoisted
+        assert splits == 0, splits
 
 
 def _compute(acc, ones):

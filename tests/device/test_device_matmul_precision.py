@@ -219,8 +219,8 @@ def _spy_on_fused_programs(ran: list):
 
     build = getattr(_fused._load_or_compile, "unspied", _fused._load_or_compile)  # noqa: SLF001
 
-    def spied(g, live, sc):
-        compiled = build(g, live, sc)
+    def spied(g, live, sc, shapes=None):
+        compiled = build(g, live, sc, shapes)
         precision = _precision_of_compiled(compiled)
 
         def run(inputs, sc):

@@ -80,8 +80,8 @@ def test_a_fused_sync_out_of_memory_is_torch_oom_and_written_storages_keep_their
     else:
         compile_program = _fused._load_or_compile
 
-        def program_that_runs_when_memory_is_free(g, live, sc):
-            program = compile_program(g, live, sc)
+        def program_that_runs_when_memory_is_free(g, live, sc, shapes=None):
+            program = compile_program(g, live, sc, shapes)
             return lambda *args: _raise_oom() if full[0] else program(*args)
 
         monkeypatch.setattr(_fused, "_load_or_compile", program_that_runs_when_memory_is_free)

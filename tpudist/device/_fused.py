@@ -10,6 +10,12 @@ counters are one float64 input vector, so a steady-state training step compiles 
 make storages outliving the sync from constants (an optimizer's first-step state) run as a program of
 their own (``_hoist``), so a training loop's step 1 and step 2 share their program.
 
+The first op of a backward pass runs the pending graph, the forward's, as its own program
+(``TPUDIST_FUSED_SPLIT_BACKWARD=0``: not): the device computes the forward while the host records the
+backward and the optimizer. The values that cross from it to the backward's graph (the saved
+activations) leave it in their own shape (``Shaped``) and the backward's program takes them so: on a
+TPU a reshape between a flat array and an N-d one is a copy of the whole tensor.
+
 A graph's dots and convolutions run at one float32 matmul precision, torch's when its first such op
 was recorded (``tpudist.matmul_precision``): an op recorded at another one runs the pending graph
 first, as a sync point does, and the precision is part of the program's key.
@@ -19,21 +25,24 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import time
 import weakref
 
 import jax
 import numpy as np
+import torch
 
 from tpudist import matmul_precision as precision
-from tpudist.device import _hoist, _oom, _storage
+from tpudist.device import _hoist, _oom, _storage, views
 from tpudist.device import _runtime as rt
 from tpudist.device._core import result_of
 from tpudist.device._storage import _ATTR, X64, Lazy, Shaped, _source_fingerprint
 from tpudist.device._storage import outputs as _outputs
 
 _CAP_ENV = "TPUDIST_FUSED_MAX_OPS"
+_SPLIT_ENV = "TPUDIST_FUSED_SPLIT_BACKWARD"
 assert _ATTR == "_tpudist_buffer"  # record() sets the storage's buffer under this name
 _PROGRAMS: dict = {}
 
@@ -48,6 +57,9 @@ class Graph:
         self.num_values = 0
         self.cap = max_ops()       # read once per graph, not per op (an environment read is ~3 us)
         self.precision = None      # torch's float32 matmul precision of its dots (None: it has none yet)
+        self.shaped_inputs = []    # (input index, shape) of the inputs read in their own shape (Shaped)
+        # recorded outside a backward pass: the first backward op runs it (split_backward)
+        self.forward = split_backward() and _graph_task_id() == -1
 
 
 _graph: Graph | None = None
@@ -57,9 +69,25 @@ def max_ops() -> int:
     return int(os.environ.get(_CAP_ENV, "20000"))
 
 
+def split_backward() -> bool:
+    """Whether a backward pass's first op runs the pending (forward's) graph (``TPUDIST_FUSED_SPLIT_BACKWARD``)."""
+    value = os.environ.get(_SPLIT_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{_SPLIT_ENV}={value!r} must be '1' (a backward pass's first op runs the forward's "
+                         "graph, the default) or '0' (forward, backward and optimizer step record into one graph)")
+    return value == "1"
+
+
+_graph_task_id = torch._C._current_graph_task_id  # noqa: SLF001 - -1 outside a backward pass (~0.1 us)
+
+
 def record(kernel, leaves, buffers, scalars):
     global _graph
     g = _graph
+    if g is not None and g.forward and _graph_task_id() != -1:
+        rt.stats["backward_splits"] += 1
+        flush(shaped=True)  # a backward pass began: the forward's graph runs while it is recorded
+        g = None
     if kernel.matmul:
         g = _graph_at(precision.current())
     elif g is None:
@@ -67,8 +95,9 @@ def record(kernel, leaves, buffers, scalars):
     refs = []
     for b in buffers:
         v = b.value
-        if v.__class__ is Shaped:
-            v = _storage.concrete(b)
+        shaped = v.__class__ is Shaped
+        if shaped:
+            v = v.array
         if v is None:
             refs.append(None)
         elif v.__class__ is Lazy:
@@ -80,6 +109,8 @@ def record(kernel, leaves, buffers, scalars):
             if idx is None:
                 idx = g.input_of[id(v)] = len(g.inputs)
                 g.inputs.append(v)
+                if shaped:
+                    g.shaped_inputs.append((idx, v.shape))
             refs.append(-1 - idx)
     nodes = g.nodes
     nodes.append((kernel, tuple(refs), len(g.scalars)))
@@ -118,8 +149,11 @@ def _graph_at(matmul_precision: str) -> Graph:
     return g
 
 
-def _program(nodes, live):
+def _program(nodes, live, shapes=None):
+    """The jitted program of a graph: ``inputs`` are flat storages or Shaped arrays (read flat), the
+    results are the ``live`` values, flat or of their ``shapes`` (None: all flat)."""
     def run(inputs, sc):
+        inputs = [a.reshape(-1) if a.ndim > 1 else a for a in inputs]
         env = []
         for kernel, refs, base in nodes:
             arrays = [None if r is None else (env[r] if r >= 0 else inputs[-1 - r]) for r in refs]
@@ -127,12 +161,43 @@ def _program(nodes, live):
                 env.extend(kernel.trace(arrays, sc, base))
             except Exception as e:
                 raise type(e)(f"{kernel.op} (in a fused program): {e}") from e
-        return [env[i] for i in live]
+        if shapes is None:
+            return [env[i] for i in live]
+        return [env[i] if shape is None else env[i].reshape(shape) for i, shape in zip(live, shapes)]
 
     return jax.jit(run)
 
 
-def _program_key(g: Graph, live) -> tuple:
+def result_shapes(nodes, live) -> list:
+    """The shape each ``live`` value can leave its program in (None: flat): that of the view its op
+    wrote or made, where that view is its whole storage, row-major, of more than one dimension."""
+    shape_of = {}
+    index = 0
+    for kernel, _, _ in nodes:
+        for slot in kernel.written_slots:
+            shape_of[index] = _written_shape(kernel, slot)
+            index += 1
+        for out in kernel.outputs:
+            shape = out[0]
+            shape_of[index] = shape if len(out) == 3 and len(shape) > 1 and out[2] else None
+            index += 1
+    return [shape_of[i] for i in live]
+
+
+def _written_shape(kernel, slot):
+    numel, dtype = kernel.slots[slot]
+    specs = [kernel.leaf_specs[leaf] for leaf in kernel.targets if kernel.leaf_specs[leaf][1] == slot]
+    if len(specs) != 1 or specs[0][0] != "T":
+        return None
+    _, _, sizes, strides, offset, view_dtype = specs[0]
+    sizes = tuple(sizes)
+    if (len(sizes) < 2 or offset or view_dtype != dtype or math.prod(sizes) != numel or not numel
+            or tuple(strides) != views.contiguous_strides(sizes)):
+        return None
+    return sizes
+
+
+def _program_key(g: Graph, live, shapes=None) -> tuple:
     """What decides a graph's traced program, as tpudist's program cache keys it (the cache adds the
     jax/jaxlib/torch/tpudist versions). No device id and no process index: the ``jax.export`` module
     names no device, so every rank and host that records the same graph shares one entry, and a rank
@@ -140,7 +205,8 @@ def _program_key(g: Graph, live) -> tuple:
     device = rt.device()
     return (_source_fingerprint(), str(device.platform), device.device_kind, os.environ.get("XLA_FLAGS", ""),
             tuple(k.stable_id for k, _, _ in g.nodes), tuple(refs for _, refs, _ in g.nodes), tuple(live),
-            tuple((tuple(a.shape), str(a.dtype)) for a in g.inputs), len(g.scalars), g.precision)
+            tuple((tuple(a.shape), str(a.dtype)) for a in g.inputs), len(g.scalars), g.precision,
+            None if shapes is None else tuple(shapes))
 
 
 # Each op rounds its result to its dtype, as in Strict mode and on the CPU. XLA's default lets a
@@ -150,7 +216,7 @@ def _program_key(g: Graph, live) -> tuple:
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
-def _load_or_compile(g: Graph, live, sc):
+def _load_or_compile(g: Graph, live, sc, shapes=None):
     """A fused program: its XLA executable from tpudist's program cache if any rank of any host
     compiled an identical graph before, else its traced module from there, else traced; compiled
     and both stored (``tpudist.program_cache``, ``<TPUDIST_CACHE_DIR>/programs``).
@@ -166,20 +232,20 @@ def _load_or_compile(g: Graph, live, sc):
     from tpudist import program_cache
 
     cached = program_cache.default_cache() is not None
-    key = _program_key(g, live) if cached else None
+    key = _program_key(g, live, shapes) if cached else None
     module_from_cache = [False]
 
     def jitted():
         if not cached:
-            return _program(g.nodes, live)
+            return _program(g.nodes, live, shapes)
 
         def trace():
             with jax.enable_x64(True):
-                return export.export(_program(g.nodes, live))(g.inputs, sc)
+                return export.export(_program(g.nodes, live, shapes))(g.inputs, sc)
 
         loaded = program_cache.load_or_export("fused", key, trace)
         if loaded.exported is None:  # jax.export refuses the program (host callbacks)
-            return _program(g.nodes, live)
+            return _program(g.nodes, live, shapes)
         module_from_cache[0] = loaded.from_cache
         return jax.jit(loaded.exported.call)
 
@@ -192,15 +258,16 @@ def _load_or_compile(g: Graph, live, sc):
     return compiled
 
 
-def _build(g: Graph, live: list, sc):
-    """The program of a graph seen for the first time: compiled (or loaded) whole, or, where the graph
-    creates outliving constant storages (an optimizer's first step), as _hoist splits it."""
+def _build(g: Graph, live: list, sc, shaped: bool):
+    """The program of a graph seen for the first time: compiled (or loaded) whole, its results in their
+    own shapes where ``shaped``, or, where the graph creates outliving constant storages (an optimizer's
+    first step), as _hoist splits it (its results flat)."""
     split = _hoist.split(g.nodes, live, len(g.scalars))
     if split is None:
         rt.stats["programs"] += 1
-        return _load_or_compile(g, live, sc)
+        return _load_or_compile(g, live, sc, result_shapes(g.nodes, live) if shaped else None)
     rt.stats["hoisted_ops"] += len(split.init_nodes)
-    return _SplitProgram(split, _like(g, (), [], ()))
+    return _SplitProgram(split, _like(g, (), [], ()), shaped)
 
 
 def _like(g: Graph, nodes, inputs: list, scalars) -> Graph:
@@ -209,17 +276,18 @@ def _like(g: Graph, nodes, inputs: list, scalars) -> Graph:
     sub = copy.copy(g)
     sub.nodes, sub.inputs, sub.scalars = list(nodes), inputs, list(scalars)
     sub.input_of, sub.written, sub.num_values = {}, [], 0
+    sub.shaped_inputs = [(i, a.shape) for i, a in enumerate(inputs) if a.ndim > 1]
     return sub
 
 
-def _cached(template: Graph, nodes, inputs: list, live, sc):
+def _cached(template: Graph, nodes, inputs: list, live, sc, shaped: bool = False):
     """The program of a split-off graph: this process's if a graph recorded as this one ran before,
     else compiled or loaded; keyed as ``flush`` keys a recorded graph."""
     sub = _like(template, nodes, inputs, sc)
-    key = _key(sub, live)
+    key = _key(sub, live, shaped)
     program = _PROGRAMS.get(key)
     if program is None:
-        program = _PROGRAMS[key] = _load_or_compile(sub, live, sc)
+        program = _PROGRAMS[key] = _load_or_compile(sub, live, sc, result_shapes(nodes, live) if shaped else None)
         rt.stats["programs"] += 1
     return program
 
@@ -232,8 +300,8 @@ class _SplitProgram:
     run, when the main program's inputs exist: it is the next step's whole program. ``template``: the
     graph's settings, without its ops or inputs (holding those would keep step 1's arrays alive)."""
 
-    def __init__(self, split, template: Graph):
-        self.split, self.template, self.inits, self.main = split, template, None, None
+    def __init__(self, split, template: Graph, shaped: bool):
+        self.split, self.template, self.shaped, self.inits, self.main = split, template, shaped, None, None
 
     def __call__(self, inputs, sc):
         s, t = self.split, self.template
@@ -244,7 +312,7 @@ class _SplitProgram:
         args = s.main_args(inputs, made)
         main_sc = sc[s.main_scalars]
         if self.main is None:
-            self.main = _cached(t, s.main_nodes, args, s.main_live, main_sc)
+            self.main = _cached(t, s.main_nodes, args, s.main_live, main_sc, self.shaped)
         return s.outputs(self.main(args, main_sc), made)
 
 
@@ -252,15 +320,18 @@ def _first(pair):
     return pair[0]
 
 
-def _key(g: Graph, live) -> tuple:
+def _key(g: Graph, live, shaped: bool = False) -> tuple:
     """The in-memory key of a graph's program. Kernels hash by identity, as their ids did; the device
     too: a program from the program cache is an executable of this device, and a new world (a new JAX
-    backend) has new devices; and the float32 matmul precision its dots are traced at."""
-    return tuple(g.nodes), tuple(live), rt.device(), g.precision
+    backend) has new devices; the float32 matmul precision its dots are traced at; the inputs it
+    reads in their own shape; whether its results leave in theirs."""
+    return tuple(g.nodes), tuple(live), rt.device(), g.precision, tuple(g.shaped_inputs), shaped
 
 
-def flush() -> None:
-    """Run the pending graph (a sync point); a no-op when nothing is pending."""
+def flush(shaped: bool = False) -> None:
+    """Run the pending graph (a sync point); a no-op when nothing is pending. ``shaped``: its results
+    that are a whole storage's row-major N-d view leave it in that shape (``Shaped``), for the next
+    graph to read so (a backward's graph its forward's saved activations)."""
     global _graph
     with rt.LOCK:
         g = _graph
@@ -281,7 +352,7 @@ def flush() -> None:
                 bufs.append(b)
         if live:  # in value order, not first-write order: a step whose state _hoist split off keys as the next
             live, bufs = map(list, zip(*sorted(zip(live, bufs), key=_first)))
-        key = _key(g, live)
+        key = _key(g, live, shaped)
         rt.stats["graph_key_s"] += time.perf_counter() - t0
         sc = np.asarray(g.scalars, np.float64) if g.scalars else np.zeros((0,), np.float64)
         t1 = time.perf_counter()
@@ -289,7 +360,7 @@ def flush() -> None:
         compiling = program is None
         try:
             if compiling:
-                program = _PROGRAMS[key] = _build(g, live, sc)
+                program = _PROGRAMS[key] = _build(g, live, sc, shaped)
             prev = X64.swap_local(True)
             try:
                 outs = program(g.inputs, sc)
@@ -299,7 +370,7 @@ def flush() -> None:
             # the graph did not run: storages it wrote go back to their values before it (as at the last
             # sync), storages it made stay unwritten; nothing is left pending
             for b, ref in zip(bufs, _hoist.held_before(g.nodes, live)):
-                b.value = None if ref is None else g.inputs[-1 - ref]
+                b.value = None if ref is None else _as_value(g.inputs[-1 - ref])
             _oom.raise_if_oom(e, f"the fused program of {len(g.nodes)} ops (run at this sync point)",
                               _oom.buffer_bytes(bufs))
             ops = ", ".join(sorted({str(k.op) for k, _, _ in g.nodes}))
@@ -309,10 +380,20 @@ def flush() -> None:
             rt.stats["compile_s"] += time.perf_counter() - t1
         rt.stats["syncs"] += 1
         rt.stats["fused_ops"] += len(g.nodes)
-        for b, value in zip(bufs, outs):
-            b.value = value
+        rt.stats["shaped_reads"] += len(g.shaped_inputs)
+        if shaped:
+            for b, value in zip(bufs, outs):
+                b.value = _as_value(value)
+        else:
+            for b, value in zip(bufs, outs):
+                b.value = value
         if rt.get_mode() == "debug":
             jax.block_until_ready(outs)
+
+
+def _as_value(array):
+    """A storage value of a program's input or result: flat, or N-d (then its storage holds it Shaped)."""
+    return array if array.ndim == 1 else Shaped(array)
 
 
 def pending_ops() -> int:

@@ -1,0 +1,91 @@
+"""Fused mode runs the forward's graph at the first op of a backward pass (docs/device.md, Eager modes).
+
+The device computes the forward while the host records the backward; the saved activations cross from
+the forward's program to the backward's in their own shape. Against CPU eager and against the same
+step recorded as one graph (``TPUDIST_FUSED_SPLIT_BACKWARD=0``). Sizes of their own per test: the
+process's programs are shared by every test of the folder.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpudist.device  # noqa: F401  (installs the "tpu" device)
+
+
+def _mlp(width: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, width), torch.nn.GELU(), torch.nn.LayerNorm(width),
+                               torch.nn.Linear(width, 5))
+
+
+def _data(n: int = 3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 12, generator=g), torch.randint(0, 5, (6,), generator=g)) for _ in range(n)]
+
+
+def _train(model, device: str):
+    """Per step: the loss, the fused stats it moved, and the parameters after it (on the CPU)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    steps = []
+    for x, y in _data():
+        before = torch.tpu.cache_stats()
+        loss = F.cross_entropy(model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        value = loss.item()
+        after = torch.tpu.cache_stats()
+        moved = {k: after.get(k, 0) - before.get(k, 0) for k in ("backward_splits", "shaped_reads", "shaped_flattened")}
+        steps.append((value, moved, [p.detach().cpu().clone() for p in model.parameters()]))
+    return steps
+
+
+@pytest.mark.parametrize("mode", ["fused"], indirect=True)
+def test_training_steps_equal_cpu_and_one_graph(mode, monkeypatch):
+    ref = _train(_mlp(20), "cpu")
+    split = _train(_mlp(20).to("tpu"), "tpu")
+    monkeypatch.setenv("TPUDIST_FUSED_SPLIT_BACKWARD", "0")
+    whole = _train(_mlp(20).to("tpu"), "tpu")
+    for (r_loss, _, r_params), (s_loss, moved, s_params), (w_loss, w_moved, w_params) in zip(ref, split, whole):
+        assert moved["backward_splits"] == 1 and w_moved["backward_splits"] == 0, (moved, w_moved)
+        # the backward's program reads the forward's saved activations (N-d) as they are: none flattened
+        assert moved["shaped_reads"] > 0 and moved["shaped_flattened"] == 0, moved
+        assert w_moved["shaped_reads"] == 0, w_moved
+        # two programs fuse differently from one (elements 1 ulp apart): each against CPU eager
+        for r, s, w in zip(r_params, s_params, w_params):
+            torch.testing.assert_close(s, r, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(w, r, rtol=1e-5, atol=1e-6)
+        assert abs(s_loss - r_loss) <= 1e-5 * abs(r_loss) and abs(w_loss - r_loss) <= 1e-5 * abs(r_loss)
+
+
+@pytest.mark.parametrize("mode", ["fused"], indirect=True)
+def test_accumulated_and_retained_backwards(mode):
+    """Two backward passes into the same gradients (one of a retained graph) and a value the forward
+    made, read afterwards by views and by Strict mode: each backward's first op runs what is pending."""
+    results = {}
+    for device in ("cpu", "tpu"):
+        model = _mlp(28).to(device)
+        (x1, y1), (x2, _) = _data(2)
+        hidden = model[0](x1.to(device))
+        loss1 = F.cross_entropy(model[3](model[2](model[1](hidden))), y1.to(device))
+        loss2 = model(x2.to(device)).square().mean()
+        loss1.backward(retain_graph=True)
+        loss2.backward()
+        loss1.backward()
+        with torch.tpu.eager_mode("strict"):
+            total = hidden.sum()
+        results[device] = [p.grad.cpu() for p in model.parameters()] + [
+            hidden.t()[3:].cpu(), hidden[:, ::2].cpu(), total.cpu()]
+    for r, g in zip(results["cpu"], results["tpu"]):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_switch_value_raises(monkeypatch):
+    from tpudist.device import _fused
+
+    monkeypatch.setenv("TPUDIST_FUSED_SPLIT_BACKWARD", "yes")
+    with pytest.raises(ValueError, match="TPUDIST_FUSED_SPLIT_BACKWARD='yes' must be '1'"):
+        _fused.split_backward()
