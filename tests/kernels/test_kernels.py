@@ -83,7 +83,12 @@ def add_big(x, *, big: int = 2**40):
     return x + big
 
 
-TEST_KERNELS = (*KERNELS, pallas_square, pallas_square_no_grad, moments, add_big)
+@custom_jax_kernel("kernels_test::double")
+def double(x):
+    return x * 2
+
+
+TEST_KERNELS = (*KERNELS, pallas_square, pallas_square_no_grad, moments, add_big, double)
 
 
 # -- opcheck ------------------------------------------------------------------------------------------
@@ -100,6 +105,23 @@ def test_opcheck_test_kernels():
     torch.library.opcheck(pallas_square.op, _inputs((8, 16)))
     x, shift = _inputs((4, 6), (6,))
     torch.library.opcheck(moments.op, (x, shift), {"axis": 0})
+
+
+def test_results_have_the_fake_strides_in_any_layout(monkeypatch):
+    """XLA:TPU lays a program's result out in a dim order of its choosing (on a v5e, a (3, 5, 8) float32
+    result as major_to_minor (1, 0, 2)), and np.asarray keeps that order in its strides; the op's
+    result must still have the fake kernel's (opcheck; inductor asserts them). Mocked on the CPU: the
+    kernel's programs are given that layout."""
+    from jax.experimental.layout import Format, Layout
+    from jax.sharding import SingleDeviceSharding
+
+    chip_layout = Format(Layout(major_to_minor=(1, 0, 2)), SingleDeviceSharding(jax.devices("cpu")[0]))
+    jit = jax.jit
+    monkeypatch.setattr(jax, "jit", lambda fn: jit(fn, out_shardings=chip_layout))
+    (x,) = _inputs((3, 5, 8))
+    assert np.asarray(jax.jit(lambda a: a * 2)(x.detach().numpy())).strides == (32, 96, 4)  # as on the chip
+    torch.library.opcheck(double.op, (x,))
+    assert double(x).stride() == (40, 8, 1)
 
 
 # -- eager against torch ---------------------------------------------------------------------------
