@@ -5,7 +5,8 @@ numpy view of a CPU tensor (from its address, ~1-2 us) costs ~10 us over passing
 against 36-71 us for ``jax.dlpack.from_dlpack`` and 120-160 us for ``jax.device_put``; XLA:CPU reads
 the host buffer in place. Results come back as torch views of the JAX buffers through numpy
 (``np.asarray`` of a CPU ``jax.Array`` is a view): ~15 us per output less than ``torch.from_dlpack``
-(61 -> 46 us per 8x64 call, min of 40 interleaved rounds). The view is read-only for numpy, and
+(61 -> 46 us per 8x64 call, min of 40 interleaved rounds); an accelerator's results come as host copies,
+row-major whatever layout XLA gave them on the chip. The view is read-only for numpy, and
 torch warns once per process about wrapping one; that one warning is consumed here, silently
 (writing into the result is as safe as into a DLPack view: no one else holds the buffer).
 """
@@ -34,13 +35,17 @@ def host_view(t: torch.Tensor | None):
 
 
 def to_torch(array) -> torch.Tensor:
-    """A torch view of a single-device CPU JAX array (no copy); DLPack for dtypes numpy lacks."""
+    """A row-major torch tensor of a single-device JAX array, the strides the ops' fake kernels state:
+    a view of a CPU array's buffer (no copy), a host copy of an accelerator's (which DLPack cannot hand
+    over: JAX exports CPU and GPU arrays only)."""
     if _numpy_out is None:
         _consume_readonly_warning()
-    kind = _numpy_out.get(array.dtype)
-    if kind is None:
-        return torch.from_dlpack(array)
+    kind = _numpy_out[array.dtype]  # every dtype of tpudist.ops.to_torch_dtype, which a kernel's results have
     view = np.asarray(array)
+    if not view.flags.c_contiguous:
+        # np.asarray keeps the dim order of the array's layout, which XLA:TPU picks per program: on a
+        # v5e, a (3, 5, 8) float32 result as major_to_minor (1, 0, 2), strides (8, 24, 1) (2026-12-06)
+        view = np.ascontiguousarray(view)
     if kind is not True:  # bfloat16: numpy's is ml_dtypes', torch reads its bits through int16
         return torch.from_numpy(view.view(np.int16)).view(kind)
     return torch.from_numpy(view)

@@ -240,6 +240,16 @@ def _dot(a, b, dims, precision):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
 
 
+def _log(x):
+    """``log(x)`` to about exp's accuracy: one Newton step on ``exp(y) = x`` after the chip's log. On a v5e
+    float32 log was 1.5e-4 off (relative) and exp 4e-6, Mosaic's as XLA's default (2026-12-06; Mosaic
+    takes no ``accuracy=``, see ``tpudist.ops.accuracy``), and the backward's ``p = exp(s - logsumexp)``
+    carried the logsumexp's error into every gradient (5e-5 to 2e-4 from SDPA's); the step leaves
+    exp's error and the square of log's."""
+    y = jnp.log(x)
+    return y + (x * jnp.exp(-y) - 1.0)
+
+
 def _lanes(x, n: int):
     """A (rows, 128) tile of per-row values (equal across lanes) as (rows, n); n is 64 or a multiple of 128."""
     return x[:, :n] if n < LANES else jnp.tile(x, (1, n // LANES))
@@ -272,7 +282,7 @@ def _forward_kernel(plan: AttentionPlan, q_ref, k_ref, v_ref, o_ref, lse_ref, m_
         o_ref[...] = (acc_ref[...] * _lanes(1.0 / l, plan.padded_head_dim_v)).astype(o_ref.dtype)
         # the (block_q, 128) tile of equal lanes, transposed: its first row is the logsumexp lane-dense,
         # 1/128 of the bytes of storing the tile (as JAX's own TPU kernels do)
-        lse_ref[...] = jnp.transpose(m_ref[...] + jnp.log(l))[:1, :]
+        lse_ref[...] = jnp.transpose(m_ref[...] + _log(l))[:1, :]
 
     when(j == 0, init)
     _run_tile(plan, i, j, step)
