@@ -124,3 +124,27 @@ def test_dcp_staging_copies_device_tensors_to_the_host_by_their_storages(mode):
         assert staged[name].dtype == value.dtype and torch.equal(staged[name], value), name
         assert staged[name].stride() == value.stride(), name
     assert staged["w"].untyped_storage().data_ptr() == staged["t"].untyped_storage().data_ptr()  # still shared
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_reads_are_row_major_whatever_the_arrays_layout(dtype):
+    """On a TPU, XLA picks an N-d result's layout and np.asarray keeps its dim order in the strides (a
+    (3, 5, 8) float32 array as major_to_minor (1, 0, 2): strides (8, 24, 1)); a value read to the host
+    is row-major all the same. The chip's layout given to a CPU array."""
+    import jax
+    import numpy as np
+    from jax.experimental.layout import Format, Layout
+    from jax.sharding import SingleDeviceSharding
+
+    from tpudist.device import _storage
+    from tpudist.ops import to_jax_dtype
+    from tpudist.sharding import arrays
+
+    chip_layout = Format(Layout(major_to_minor=(1, 0, 2)), SingleDeviceSharding(jax.devices("cpu")[0]))
+    want = torch.arange(120, dtype=torch.float32).reshape(3, 5, 8).to(dtype)
+    array = jax.jit(lambda a: a.astype(to_jax_dtype(dtype)) * 1, out_shardings=chip_layout)(
+        np.arange(120, dtype=np.float32).reshape(3, 5, 8))
+    assert not np.asarray(array).flags.c_contiguous  # as on the chip
+    got = _storage.to_torch(array)
+    assert got.stride() == (40, 8, 1) and torch.equal(got, want)
+    assert torch.equal(arrays.torch_view(array), want)  # the DTensor view: strided over it, equal values

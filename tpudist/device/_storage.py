@@ -153,6 +153,10 @@ def to_torch(array) -> torch.Tensor:
     except jax.errors.JaxRuntimeError as e:  # a program it waited for ran out of memory
         _oom.raise_if_oom(e, "reading a tpu tensor to the host", array.nbytes)
         raise
+    if not host.flags.c_contiguous:
+        # np.asarray keeps the dim order of the layout XLA picked for an N-d array on a TPU (a (3, 5, 8)
+        # float32 array as major_to_minor (1, 0, 2), strides (8, 24, 1)): a host tensor is row-major
+        host = np.ascontiguousarray(host)
     if host.dtype == jnp.bfloat16:
         return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
     return torch.from_numpy(host.copy()) if not host.flags.writeable else torch.from_numpy(host)

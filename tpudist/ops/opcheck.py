@@ -35,10 +35,10 @@ def to_jax(t: torch.Tensor):
 
 
 def to_torch(a) -> torch.Tensor:
-    """A jax.Array as a CPU tensor (copy)."""
+    """A jax.Array as a row-major CPU tensor (copy; on a TPU np.asarray keeps the layout's dim order)."""
     if a.dtype == jnp.bfloat16:
         return torch.from_numpy(np.asarray(a).view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.array(a))
+    return torch.from_numpy(np.array(a, order="C"))
 
 
 def _wrap(x):

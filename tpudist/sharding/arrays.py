@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import ml_dtypes
 import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -101,8 +102,14 @@ def x64(dtype: torch.dtype):
 
 
 def torch_view(block: Any) -> torch.Tensor:
-    """A torch view of a single-device ``jax.Array`` (DLPack, no copy)."""
-    return torch.from_dlpack(block)
+    """A torch tensor of a single-device ``jax.Array``: a view of a CPU array (DLPack, no copy), a
+    row-major host copy of an accelerator's (JAX hands DLPack out for CPU and GPU arrays only)."""
+    if block.device.platform == "cpu":
+        return torch.from_dlpack(block)
+    host = np.array(block, order="C")  # np.asarray alone keeps the dim order of the chip's layout
+    if host.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(host)
 
 
 # -- blocks: padded, partial-stacked global arrays used inside tpudist's programs -------------------
