@@ -113,6 +113,28 @@ def test_reductions_over_the_padded_dim_are_masked():
     assert (counts.padded, counts.exact) == (1, 0), (vars(counts), counts.fallbacks)
 
 
+def _detached_scale(x, w):
+    h = x * w
+    return (h * h.detach().square().mean(1, keepdim=True)).sum()  # the scale is a constant for autograd
+
+
+def test_detach_in_a_padded_graph_stops_its_gradient():
+    w = torch.randn(6, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    fn = torch.compile(_detached_scale, backend="tpu")
+    with Counts() as counts:
+        for n in (3, 5):
+            x = torch.randn(n, 6)
+            torch._dynamo.mark_dynamic(x, 0)  # noqa: SLF001
+            got, want = fn(x, w), _detached_scale(x, w_ref)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            got.backward()
+            want.backward()
+            torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+            w.grad = w_ref.grad = None
+    assert (counts.padded, counts.exact) == (1, 0), (vars(counts), counts.fallbacks)
+
+
 # Graphs that must not be padded: each runs one program per size, counted, and still equals eager.
 _UNSAFE = {
     "variance over the dynamic dim": (lambda x, w: (x * w).var(0).sum(), "var"),
@@ -243,6 +265,36 @@ def test_block_logits_inference_are_sliced_back():
             assert got.shape == (2, t, 32)
             torch.testing.assert_close(got, model(tokens), rtol=1e-5, atol=1e-5)
     assert (counts.padded, counts.exact) == (1, 0), (vars(counts), counts.fallbacks)
+
+
+class NoGradScale(torch.nn.Module):
+    """Embeddings scaled by a statistic taken under ``torch.no_grad()`` of tensors that need grad (of
+    the embeddings and of a weight): a constant for autograd, as Hugging Face's rotary tables are."""
+
+    def __init__(self, vocab=32, dim=16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        with torch.no_grad():
+            scale = x.square().mean(-1, keepdim=True).add(1).rsqrt() * self.head.weight.abs().mean()
+        return self.head(x * scale)
+
+
+def test_no_grad_region_pads_and_stays_out_of_the_gradients():
+    torch.manual_seed(0)
+    model = NoGradScale()
+    ref = copy.deepcopy(model)
+    step = torch.compile(_block_loss, backend="tpu")
+    with Counts() as counts:
+        for t in (5, 9, 17):
+            tokens = torch.randint(0, 32, (2, t))
+            torch._dynamo.mark_dynamic(tokens, 1)  # noqa: SLF001
+            _check_step(step, _block_loss, model, ref, tokens)
+    assert (counts.padded, counts.exact) == (1, 0), (vars(counts), counts.fallbacks)
+    assert not counts.fallbacks, counts.fallbacks
 
 
 def _lm_loss(model, tokens, targets):

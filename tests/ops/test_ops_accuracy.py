@@ -134,3 +134,30 @@ def test_pallas_kernel_bodies_are_left_to_mosaic():
     assert outer["tanh"].params["accuracy"] is jax.lax.AccuracyMode.HIGHEST
     body = outer["pallas_call"].params["jaxpr"]
     assert [e.params.get("accuracy") for e in body.eqns if e.primitive.name == "exp"] == [None]
+
+
+# -- a number to a float32 power near 1 (tpudist/ops/lowerings/_number_pow.py) ----------------------
+@pytest.mark.parametrize("base", [0.999, 0.95, 0.9, 2.0])
+def test_number_to_a_power_near_one_is_correctly_rounded(base):
+    """``aten.pow.Scalar`` of a number, as AdamW's ``1 - 0.999 ** step`` has it, where the result is near 1:
+    correctly rounded but within 0.005 ulp of a tie (XLA's CPU pow misrounds more of them), from float32
+    adds and multiplies that XLA's simplifier must leave alone (folding its exact sums gave 1.0 ulp);
+    beyond, XLA's pow as before."""
+    from tpudist.ops.lowerings._number_pow import NEAR
+
+    b32 = np.float32(base)
+    log = np.log(np.float64(b32))
+    steps = np.arange(1, min(int(NEAR / abs(log)), 2000) + 1)
+    near = np.concatenate([steps, np.random.default_rng(0).uniform(-NEAR, NEAR, 1 << 16) / log]).astype(np.float32)
+    far = (np.linspace(-10, 10, 401) / log).astype(np.float32)
+    far = far[np.abs(far * log) > NEAR]
+    with jax.enable_x64(True):
+        power = jax.jit(lambda y: call(aten.pow.Scalar, base, y))
+        plain = jax.jit(lambda y: jnp.power(b32, y))
+        got, got_plain = np.asarray(power(jnp.asarray(near))), np.asarray(plain(jnp.asarray(near)))
+        np.testing.assert_array_equal(np.asarray(power(jnp.asarray(far))), np.asarray(plain(jnp.asarray(far))))
+    want = np.float64(b32) ** near.astype(np.float64)
+    spacing = np.spacing(want.astype(np.float32)).astype(np.float64)
+    error, error_plain = (np.abs(g.astype(np.float64) - want) / spacing for g in (got, got_plain))
+    assert error.max() <= 0.505, (float(error.max()), near[error.argmax()])
+    assert (error > 0.5).sum() < (error_plain > 0.5).sum() / 2, ((error > 0.5).sum(), (error_plain > 0.5).sum())

@@ -348,13 +348,19 @@ class _Analysis:
         return f"{target} is not known to be row-independent along {s}"
 
 
+# ops whose result needs no grad whatever their input's: the ATen retrace keeps them (trace_aten)
+_GRADIENT_STOPS = frozenset({aten.detach.default})
+
+
 def _needs_grad(graph: torch.fx.Graph, fakes: list) -> set:
-    """Nodes whose value depends on an input that requires grad (a floating result)."""
+    """Nodes whose value depends on an input that requires grad (a floating result), not through a detach."""
     out, phs = set(), [n for n in graph.nodes if n.op == "placeholder"]
     for node, fake in zip(phs, fakes):
         if _tensor(fake) and fake.requires_grad:
             out.add(node)
     for node in graph.nodes:
+        if node.target in _GRADIENT_STOPS:
+            continue
         if node.op == "call_function" and any(a in out for a in node.all_input_nodes):
             val = node.meta.get("val")
             vals = val if isinstance(val, (tuple, list)) else [val]
@@ -370,5 +376,7 @@ def trace_aten(gm: torch.fx.GraphModule, fakes: list) -> torch.fx.GraphModule:
 
     # the fake values' own mode (Dynamo's tracing context may hold another one by now)
     mode = next(f.fake_mode for f in fakes if isinstance(f, FakeTensor))
+    # detach stays itself: Core ATen's alias for it would let the padded graph's gradients through
+    table = {op: fn for op, fn in decompositions().items() if op not in _GRADIENT_STOPS}
     with mode, math_sdpa():
-        return make_fx(gm, decomposition_table=decompositions())(*fakes)
+        return make_fx(gm, decomposition_table=table)(*fakes)

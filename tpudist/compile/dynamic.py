@@ -19,7 +19,9 @@ sizes compile O(buckets) programs. Safety is decided once per graph on its symbo
 - a size of ``s`` shapes tensors only: it is never used as a number (``x.sum() / x.size(0)``), and
   no dim is an expression of ``s`` other than ``s`` or a merged dim a view made;
 - no random ops (the draws would differ from the unpadded program's), no in-place ops, no
-  grad-mode or autocast switches, no higher-order ops.
+  autocast switches, no higher-order ops. A ``torch.no_grad()`` region (Hugging Face's rotary
+  embeddings have one) is kept as a detach of each tensor entering it: the ATen retrace drops grad
+  mode, a detach it keeps; ``enable_grad`` inside a graph traced without grad is not padded.
 
 The padded graph carries the real length of each padded symbol as a runtime input (a 0-d int64
 tensor), so one program serves every size of a bucket. Every op result with a padded dim is set to
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +112,59 @@ class Plan:
 _GRAPH_STATE_TARGETS = ("_set_grad_enabled", "_enter_autocast", "_exit_autocast", "set_grad_enabled")
 
 
+def _detach_no_grad_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
+    """``gm`` with each no-grad region as detaches of the tensors entering it, its switches removed.
+
+    Dynamo records ``torch.no_grad()`` entered with grad on as ``_set_grad_enabled(False)`` ...
+    ``_set_grad_enabled(True)`` (nothing when grad is off already). Values computed from detached
+    tensors need no grad, as the region's results in eager, so the graph gives the same values and
+    gradients, and its ATen retrace (which drops grad-mode switches) keeps the detaches. In-place ops,
+    whose effect a detach would not carry, make the analysis refuse the graph anyway. None: the graph
+    switches grad mode some other way (``enable_grad`` with grad off, a mode that is not a constant),
+    or a region reads a value that is neither a tensor nor free of tensors (a tuple of an op's results).
+    """
+    graph = copy.deepcopy(gm.graph)
+    disabled = False
+    inside: set = set()  # nodes computed in the current no-grad region
+    detached: dict = {}  # outside node -> its detach, for the current region
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:  # noqa: SLF001
+            mode = node.args[0] if len(node.args) == 1 and not node.kwargs else None
+            if not isinstance(mode, bool) or (mode and not disabled):
+                return None
+            disabled = not mode
+            inside, detached = set(), {}
+            graph.erase_node(node)
+            continue
+        if not disabled or node.op == "output":
+            continue
+        entering = [a for a in node.all_input_nodes if a not in inside]
+        for arg in entering:
+            value = _value(gm, arg)
+            if value is _MISSING or (not _tensor(value) and _holds_tensors(value)):
+                return None
+            if _tensor(value) and arg not in detached:
+                with graph.inserting_before(node):
+                    detached[arg] = graph.call_method("detach", (arg,))
+        node.args, node.kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda a: detached.get(a, a))
+        inside.add(node)
+    return torch.fx.GraphModule(gm, graph)
+
+
+_MISSING = object()
+
+
+def _value(gm: torch.fx.GraphModule, node: torch.fx.Node):
+    """A Dynamo graph node's (fake) value: its meta, or the module's attribute of a ``get_attr``."""
+    if node.op == "get_attr":
+        return operator.attrgetter(node.target)(gm)
+    return node.meta.get("example_value", node.meta.get("val", _MISSING))
+
+
+def _holds_tensors(value) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in torch.utils._pytree.tree_leaves(value))  # noqa: SLF001
+
+
 def plan(gm: torch.fx.GraphModule, buckets: Buckets | None) -> Plan:
     """Which symbols of ``gm`` pad (and the padded graph), or why not."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -132,6 +188,8 @@ def plan(gm: torch.fx.GraphModule, buckets: Buckets | None) -> Plan:
     if buckets is None:
         nothing.unsafe.update({s: "no buckets (options={'buckets': None})" for s in symbols})
         return nothing
+    if any(n.target is torch._C._set_grad_enabled for n in gm.graph.nodes):  # noqa: SLF001
+        gm = _detach_no_grad_regions(gm) or gm
     for node in gm.graph.nodes:
         name = getattr(node.target, "__name__", "")
         if node.op == "call_function" and (name in _GRAPH_STATE_TARGETS

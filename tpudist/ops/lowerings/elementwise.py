@@ -13,6 +13,7 @@ import jax.scipy.special as jsp
 import numpy as np
 import torch
 
+from tpudist.ops.lowerings._number_pow import number_pow
 from tpudist.ops.lowerings._util import (is_array, is_float, is_integral, is_low_precision, is_number, is_one,
                                          promote, result_type, sigmoid, to_float, upcast)
 from tpudist.ops.registry import lowers
@@ -323,6 +324,8 @@ def pow_scalar(base, exponent):
     base, exponent = promote(base, exponent)
     if exponent.dtype == jnp.bool_:
         exponent = exponent.astype(jnp.int64)
+    if isinstance(base, (int, float)) and not isinstance(base, bool) and exponent.dtype == jnp.float32:
+        return number_pow(base, exponent)  # optimizers' bias corrections, 1 - beta ** step: see _number_pow
     return _power(jnp.asarray(base, exponent.dtype), upcast(exponent))
 
 
