@@ -572,7 +572,8 @@ def _add_earlier(a, results: dict, log: Log) -> None:
     """Keeps the modes of an earlier run's JSON that this run does not run (same model and batch only),
     so a mode run alone (Strict) joins the main run's table, ratios and targets."""
     with open(a.add_to, encoding="utf-8") as f:
-        earlier = json.load(f)["parsed"]
+        record = json.load(f)
+    earlier = record["parsed"]
     mismatch = {k: (earlier["config"].get(k), results["config"][k]) for k in _SHAPE_KEYS
                 if earlier["config"].get(k) != results["config"][k]}
     if mismatch:
@@ -581,7 +582,8 @@ def _add_earlier(a, results: dict, log: Log) -> None:
     kept = [k for k in earlier["modes"] if k not in a.modes]
     for k in kept:
         results["modes"][k] = {**earlier["modes"][k], "from": a.add_to}
-    results["added_from"] = {"path": a.add_to, "modes": kept}
+    results["added_from"] = {"path": a.add_to, "modes": kept, "started_utc": record.get("started_utc"),
+                             "command": record.get("command")}
     log(f"kept from {a.add_to}: {', '.join(kept) or 'nothing'}")
 
 
