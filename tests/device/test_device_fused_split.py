@@ -38,7 +38,8 @@ def _train(model, device: str):
         opt.zero_grad()
         value = loss.item()
         after = torch.tpu.cache_stats()
-        moved = {k: after.get(k, 0) - before.get(k, 0) for k in ("backward_splits", "shaped_reads", "shaped_flattened")}
+        moved = {k: after.get(k, 0) - before.get(k, 0)
+                 for k in ("backward_splits", "shaped_reads", "shaped_flattened", "syncs")}
         steps.append((value, moved, [p.detach().cpu().clone() for p in model.parameters()]))
     return steps
 
@@ -89,3 +90,37 @@ def test_bad_switch_value_raises(monkeypatch):
     monkeypatch.setenv("TPUDIST_FUSED_SPLIT_BACKWARD", "yes")
     with pytest.raises(ValueError, match="TPUDIST_FUSED_SPLIT_BACKWARD='yes' must be '1'"):
         _fused.split_backward()
+
+
+@pytest.mark.parametrize("mode", ["fused"], indirect=True)
+def test_forward_in_chunks_equals_cpu_and_reuses_its_programs(mode, monkeypatch):
+    """TPUDIST_FUSED_FORWARD_CHUNK=6: a forward under autograd runs every 6 ops, its values crossing
+    in their own shape; every step is cut at the same ops (no program after step 1); a forward under
+    no_grad is not cut."""
+    monkeypatch.setenv("TPUDIST_FUSED_FORWARD_CHUNK", "6")
+    ref = _train(_mlp(44), "cpu")
+    model = _mlp(44).to("tpu")
+    got = _train(model, "tpu")
+    for (r_loss, _, r_params), (loss, moved, params) in zip(ref, got):
+        # the forward's chunks and the rest (the loss's .item() reads a value a chunk made: no sync)
+        assert moved["syncs"] >= 3 and moved["shaped_reads"] > 0 and moved["shaped_flattened"] == 0, moved
+        for r, g in zip(r_params, params):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+        assert abs(loss - r_loss) <= 1e-5 * abs(r_loss)
+    assert got[1][1]["syncs"] == got[0][1]["syncs"]
+    built = torch.tpu.cache_stats()["programs"]
+    _train(model, "tpu")
+    assert torch.tpu.cache_stats()["programs"] == built
+    syncs = torch.tpu.cache_stats()["syncs"]
+    with torch.no_grad():
+        out = model(_data(1)[0][0].to("tpu")).sum().item()
+    assert torch.tpu.cache_stats()["syncs"] == syncs + 1
+    assert out == pytest.approx(model.cpu()(_data(1)[0][0]).sum().item(), rel=1e-5)
+
+
+def test_bad_chunk_value_raises(monkeypatch):
+    from tpudist.device import _fused
+
+    monkeypatch.setenv("TPUDIST_FUSED_FORWARD_CHUNK", "-5")
+    with pytest.raises(ValueError, match="TPUDIST_FUSED_FORWARD_CHUNK='-5' must be a number of ops"):
+        _fused.forward_chunk()

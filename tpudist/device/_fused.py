@@ -43,6 +43,7 @@ from tpudist.device._storage import outputs as _outputs
 
 _CAP_ENV = "TPUDIST_FUSED_MAX_OPS"
 _SPLIT_ENV = "TPUDIST_FUSED_SPLIT_BACKWARD"
+_CHUNK_ENV = "TPUDIST_FUSED_FORWARD_CHUNK"
 assert _ATTR == "_tpudist_buffer"  # record() sets the storage's buffer under this name
 _PROGRAMS: dict = {}
 
@@ -60,6 +61,8 @@ class Graph:
         self.shaped_inputs = []    # (input index, shape) of the inputs read in their own shape (Shaped)
         # recorded outside a backward pass: the first backward op runs it (split_backward)
         self.forward = split_backward() and _graph_task_id() == -1
+        # a forward under autograd runs every ``chunk`` ops (0: at the backward's first op only)
+        self.chunk = forward_chunk() if self.forward and torch.is_grad_enabled() else 0
 
 
 _graph: Graph | None = None
@@ -76,6 +79,16 @@ def split_backward() -> bool:
         raise ValueError(f"{_SPLIT_ENV}={value!r} must be '1' (a backward pass's first op runs the forward's "
                          "graph, the default) or '0' (forward, backward and optimizer step record into one graph)")
     return value == "1"
+
+
+def forward_chunk() -> int:
+    """``TPUDIST_FUSED_FORWARD_CHUNK``: a forward recorded under autograd runs every that many ops (0, the
+    default: it runs at the backward's first op), so the device starts on it while the host records the
+    rest. A count of ops, not a time: every step is cut at the same ops and reuses its programs."""
+    value = os.environ.get(_CHUNK_ENV, "0")
+    if not value.isdigit():
+        raise ValueError(f"{_CHUNK_ENV}={value!r} must be a number of ops (0: no chunks, the default)")
+    return int(value)
 
 
 _graph_task_id = torch._C._current_graph_task_id  # noqa: SLF001 - -1 outside a backward pass (~0.1 us)
@@ -129,6 +142,8 @@ def record(kernel, leaves, buffers, scalars):
     g.num_values = index + len(outputs)
     if len(nodes) >= g.cap:
         flush()
+    elif g.chunk and len(nodes) >= g.chunk:
+        flush(shaped=True)
     return fresh[0] if kernel.single_result else result_of(kernel, leaves, fresh)
 
 
