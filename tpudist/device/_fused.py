@@ -274,9 +274,9 @@ def _load_or_compile(g: Graph, live, sc, shapes=None):
 
 
 def _build(g: Graph, live: list, sc, shaped: bool):
-    """The program of a graph seen for the first time: compiled (or loaded) whole, its results in their
-    own shapes where ``shaped``, or, where the graph creates outliving constant storages (an optimizer's
-    first step), as _hoist splits it (its results flat)."""
+    """The program of a graph seen for the first time: compiled (or loaded) whole, or, where the graph
+    creates outliving constant storages (an optimizer's first step), as _hoist splits it; its results
+    (the main program's, when split) in their own shapes where ``shaped``."""
     split = _hoist.split(g.nodes, live, len(g.scalars))
     if split is None:
         rt.stats["programs"] += 1
