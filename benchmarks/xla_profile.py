@@ -137,10 +137,16 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
     matmul_ns = categories["matmul"]
     if flops_by_category["matmul"] and matmul_ns:
         out["matmul_tflops_from_trace"] = flops_by_category["matmul"] / matmul_ns / 1e3
-    out["top_ops"] = [{"name": n, "category": r["category"], "opcode": r["opcode"], "shape": r["shape"],
-                       "runs_per_step": r["count"] / num_steps, "s_per_step": r["ns"] / 1e9 / num_steps,
-                       "share": r["ns"] / total if total else 0.0}
-                      for n, r in sorted(per_op.items(), key=lambda kv: -kv[1]["ns"])[:top]]
+    ranked = sorted(per_op.items(), key=lambda kv: -kv[1]["ns"])
+
+    def rows(items):
+        return [{"name": n, "category": r["category"], "opcode": r["opcode"], "shape": r["shape"],
+                 "runs_per_step": r["count"] / num_steps, "s_per_step": r["ns"] / 1e9 / num_steps,
+                 "share": r["ns"] / total if total else 0.0} for n, r in items[:top]]
+
+    out["top_ops"] = rows(ranked)
+    # where the layout changes go: a program's edges, reshapes of flat storages, transposes XLA kept
+    out["top_copies"] = rows([(n, r) for n, r in ranked if r["category"] == "copy/transpose"])
     return out
 
 
@@ -170,8 +176,15 @@ def format_summary(summary: dict, wall_s: float, model_flops: float) -> list[str
     elif matmul_s and dev is not None:
         lines.append(f"    model FLOPs / matmul-op time = {model_flops / matmul_s / 1e12:.1f} TFLOP/s (an upper bound "
                      "on the matmuls' rate: attention's FLOPs partly run in 'attention scores' ops)")
-    for op in summary["top_ops"]:
-        lines.append(f"      {op['s_per_step'] * 1e3:8.2f} ms {op['share'] * 100:5.1f}% "
-                     f"x{op['runs_per_step']:<5.1f} {op['category']:<16} {op['opcode'] or '-':<12} "
-                     f"{op['shape']:<22} {op['name'][:60]}")
+    lines += [_op_line(op) for op in summary["top_ops"]]
+    shown = {op["name"] for op in summary["top_ops"]}
+    copies = [op for op in summary.get("top_copies", ()) if op["name"] not in shown]
+    if copies:
+        lines.append("    largest copy/transpose ops besides those:")
+        lines += [_op_line(op) for op in copies]
     return lines
+
+
+def _op_line(op: dict) -> str:
+    return (f"      {op['s_per_step'] * 1e3:8.2f} ms {op['share'] * 100:5.1f}% x{op['runs_per_step']:<5.1f} "
+            f"{op['category']:<16} {op['opcode'] or '-':<12} {op['shape']:<22} {op['name'][:60]}")

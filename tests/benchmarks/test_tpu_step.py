@@ -134,6 +134,8 @@ def test_tiny_cpu_run_writes_the_report_fields(tmp_path):
         assert mode["steady_compiles"]["xla_compiles"] == 0
         assert mode["profile"]["device"] is None and mode["profile"]["source"].startswith("host thunks")
         assert mode["profile"]["top_ops"]
+        copies = mode["profile"]["top_copies"]  # listed apart: where layout changes go
+        assert all(op["category"] == "copy/transpose" for op in copies), copies
     # Fused builds its step's program in step 1 only (issue #37 item 4): step 2 builds none, counted
     assert parsed["modes"]["fused"]["step1"]["compiles"]["device_programs"] >= 1
     assert parsed["modes"]["fused"]["step2"]["compiles"]["device_programs"] == 0
