@@ -57,3 +57,13 @@ def numpy_view(t: torch.Tensor, hold: bool = True) -> tuple[np.ndarray, torch.Te
         return np.empty(tuple(t.shape), xla_dtype), t
     arr = np.asarray(Pointer(t.data_ptr(), tuple(t.shape), np.dtype(raw_dtype).str, t if hold else None))
     return (arr if raw_dtype is xla_dtype else arr.view(xla_dtype)), t
+
+
+def host_copy(array) -> torch.Tensor:
+    """A row-major CPU tensor holding a copy of ``array``'s values (a ``jax.Array``; on a TPU
+    ``np.asarray`` alone keeps the dim order of the layout XLA picked for it, and DLPack refuses it);
+    bfloat16 through its bits."""
+    host = np.array(array, order="C")
+    if host.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(host)

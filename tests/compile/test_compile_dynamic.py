@@ -97,19 +97,25 @@ def _reductions(x, w):
     return (centred.softmax(0) * h).sum() + h.amax(0).sum() + h.cumsum(0)[:, :2].mean() + h.logsumexp(0).sum()
 
 
-def test_reductions_over_the_padded_dim_are_masked():
+def _equals_eager(fn, eager, inputs) -> None:
+    """``fn(x, w)`` against ``eager(x, w)`` for each ``x`` of ``inputs`` (drawn after ``w``): values and
+    ``w``'s gradient."""
     w = torch.randn(6, requires_grad=True)
     w_ref = w.detach().clone().requires_grad_()
+    for x in inputs:
+        got, want = fn(x, w), eager(x, w_ref)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+        w.grad = w_ref.grad = None
+
+
+def test_reductions_over_the_padded_dim_are_masked():
     fn = torch.compile(_reductions, backend="tpu", dynamic=True)
     with Counts() as counts:
-        for n in (3, 9, 20):
-            x = -torch.rand(n, 6) - 1  # all negative: a zero at the padding would win amax
-            got, want = fn(x, w), _reductions(x, w_ref)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            got.backward()
-            want.backward()
-            torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
-            w.grad = w_ref.grad = None
+        # all negative: a zero at the padding would win amax
+        _equals_eager(fn, _reductions, (-torch.rand(n, 6) - 1 for n in (3, 9, 20)))
     assert (counts.padded, counts.exact) == (1, 0), (vars(counts), counts.fallbacks)
 
 
@@ -118,20 +124,16 @@ def _detached_scale(x, w):
     return (h * h.detach().square().mean(1, keepdim=True)).sum()  # the scale is a constant for autograd
 
 
+def _dynamic_rows(n: int) -> torch.Tensor:
+    x = torch.randn(n, 6)
+    torch._dynamo.mark_dynamic(x, 0)  # noqa: SLF001
+    return x
+
+
 def test_detach_in_a_padded_graph_stops_its_gradient():
-    w = torch.randn(6, requires_grad=True)
-    w_ref = w.detach().clone().requires_grad_()
     fn = torch.compile(_detached_scale, backend="tpu")
     with Counts() as counts:
-        for n in (3, 5):
-            x = torch.randn(n, 6)
-            torch._dynamo.mark_dynamic(x, 0)  # noqa: SLF001
-            got, want = fn(x, w), _detached_scale(x, w_ref)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            got.backward()
-            want.backward()
-            torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
-            w.grad = w_ref.grad = None
+        _equals_eager(fn, _detached_scale, (_dynamic_rows(n) for n in (3, 5)))
     assert (counts.padded, counts.exact) == (1, 0), (vars(counts), counts.fallbacks)
 
 

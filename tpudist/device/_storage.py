@@ -153,13 +153,13 @@ def to_torch(array) -> torch.Tensor:
     except jax.errors.JaxRuntimeError as e:  # a program it waited for ran out of memory
         _oom.raise_if_oom(e, "reading a tpu tensor to the host", array.nbytes)
         raise
-    if not host.flags.c_contiguous:
-        # np.asarray keeps the dim order of the layout XLA picked for an N-d array on a TPU (a (3, 5, 8)
-        # float32 array as major_to_minor (1, 0, 2), strides (8, 24, 1)): a host tensor is row-major
-        host = np.ascontiguousarray(host)
+    # copies are row-major: np.asarray keeps the dim order of the layout XLA picked for an N-d array on
+    # a TPU (a (3, 5, 8) float32 array as major_to_minor (1, 0, 2), strides (8, 24, 1))
     if host.dtype == jnp.bfloat16:
         return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(host.copy()) if not host.flags.writeable else torch.from_numpy(host)
+    if not host.flags.writeable or not host.flags.c_contiguous:
+        host = np.array(host, order="C")
+    return torch.from_numpy(host)
 
 
 _READERS: dict = {}

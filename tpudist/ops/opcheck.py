@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tpudist import matmul_precision
+from tpudist._hostmem import host_copy
 from tpudist.ops import registry
 from tpudist.ops.dtypes import to_torch_dtype
 from tpudist.ops.interpret import JaxMode, JaxValue
@@ -34,11 +35,7 @@ def to_jax(t: torch.Tensor):
     return jnp.asarray(t.numpy())
 
 
-def to_torch(a) -> torch.Tensor:
-    """A jax.Array as a row-major CPU tensor (copy; on a TPU np.asarray keeps the layout's dim order)."""
-    if a.dtype == jnp.bfloat16:
-        return torch.from_numpy(np.asarray(a).view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.array(a, order="C"))
+to_torch = host_copy  # a jax.Array as a row-major CPU tensor (copy)
 
 
 def _wrap(x):

@@ -12,13 +12,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import ml_dtypes
 import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from tpudist._hostmem import host_copy
 from tpudist.sharding.layout import (JaxLayout, LayoutError, default_axis_names, is_even,
                                      padded_length, padded_positions, to_layout, to_placements)
 
@@ -104,12 +104,7 @@ def x64(dtype: torch.dtype):
 def torch_view(block: Any) -> torch.Tensor:
     """A torch tensor of a single-device ``jax.Array``: a view of a CPU array (DLPack, no copy), a
     row-major host copy of an accelerator's (JAX hands DLPack out for CPU and GPU arrays only)."""
-    if block.device.platform == "cpu":
-        return torch.from_dlpack(block)
-    host = np.array(block, order="C")  # np.asarray alone keeps the dim order of the chip's layout
-    if host.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(host)
+    return torch.from_dlpack(block) if block.device.platform == "cpu" else host_copy(block)
 
 
 # -- blocks: padded, partial-stacked global arrays used inside tpudist's programs -------------------
