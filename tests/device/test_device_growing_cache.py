@@ -132,10 +132,18 @@ def test_sdpa_takes_torch_math_path_where_the_fused_op_does_not_apply():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def _repeat_kv(x, times):
+    """transformers 5.17's ``repeat_kv``: each kv head expanded ``times`` and reshaped into the query heads."""
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, times, n, d).reshape(b, h * times, n, d)
+
+
 @pytest.mark.parametrize("mode", MODES, indirect=True)
-@pytest.mark.parametrize("chunk", [1, 2], ids=["token", "chunk_of_2"])
-def test_growing_kv_cache_compiles_per_capacity(mode, chunk):
-    """A hand-written dynamic cache: ``cat`` new keys/values at dim 2, attend over all of them."""
+@pytest.mark.parametrize("chunk,gqa", [(1, "enable_gqa"), (2, "enable_gqa"), (1, "repeat_kv")],
+                         ids=["token", "chunk_of_2", "token_repeat_kv"])
+def test_growing_kv_cache_compiles_per_capacity(mode, chunk, gqa):
+    """A hand-written dynamic cache: ``cat`` new keys/values at dim 2, attend over all of them (grouped
+    query heads by SDPA's ``enable_gqa``, or by an expand and reshape of the cache, a copy of it each step)."""
     previous = buckets.set_growth(buckets.Growth(multiple=8, max_buckets=2, per_octave=2))
     try:
         torch.manual_seed(3 + chunk)
@@ -152,8 +160,12 @@ def test_growing_kv_cache_compiles_per_capacity(mode, chunk):
                 k = torch.cat([k, new_k[step].to(device)], dim=2)
                 v = torch.cat([v, new_v[step].to(device)], dim=2)
                 caches[device] = [k, v]
-                out = F.scaled_dot_product_attention(queries[step].to(device), k, v, is_causal=chunk > 1,
-                                                     enable_gqa=True)
+                if gqa == "repeat_kv":
+                    out = F.scaled_dot_product_attention(queries[step].to(device), _repeat_kv(k, 2), _repeat_kv(v, 2),
+                                                         is_causal=chunk > 1)
+                else:
+                    out = F.scaled_dot_product_attention(queries[step].to(device), k, v, is_causal=chunk > 1,
+                                                         enable_gqa=True)
                 outs[device].append(out.cpu())
             compiled.append(_compiled() - before)
     finally:
@@ -169,8 +181,11 @@ def test_growing_kv_cache_compiles_per_capacity(mode, chunk):
     lengths = [3 + chunk * (s + 1) for s in range(steps)]
     new_capacity = {s for s in range(1, steps) if buckets.Growth(8, 2, 2).capacity_for(lengths[s])
                     != buckets.Growth(8, 2, 2).capacity_for(lengths[s - 1])}
-    assert {s for s, n in enumerate(compiled) if n and s >= 3} <= new_capacity | {s + 1 for s in new_capacity}, \
-        compiled
+    allowed = new_capacity | {s + 1 for s in new_capacity}
+    if gqa == "repeat_kv":  # the copy of a cache filled to its capacity runs exact (ops at the capacity
+        # cannot tell its grown dim from the others then): a length equal to a capacity compiles once more
+        allowed |= {s for s in range(steps) if lengths[s] == buckets.Growth(8, 2, 2).capacity_for(lengths[s])}
+    assert {s for s, n in enumerate(compiled) if n and s >= 3} <= allowed, compiled
 
 
 @pytest.fixture(scope="module")
@@ -268,3 +283,43 @@ def test_variable_length_batches_stay_contiguous_like_cpu(mode):
         for (c_cpu, v_cpu), (c_tpu, v_tpu) in zip(got["cpu"], got["tpu"]):
             assert c_tpu == c_cpu, n
             torch.testing.assert_close(v_tpu, v_cpu)
+
+
+# (pad, value) of a grown (1, n) mask: to a fixed width past and within the capacity (8, 16, 24, 32 here)
+# and a width that cuts, on the right (one kernel per width and capacity); on the left (exact: positions move)
+_MASK_PADS = {"to_40": ((0, 40), False), "to_20_true": ((0, 20), True), "cut_to_6": ((0, 6), True),
+              "left": ((3, 0), False)}
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+@pytest.mark.parametrize("dtype,scale", [(torch.bool, 1), (torch.int64, 7), (torch.float32, -1.5)],
+                         ids=["bool", "int64", "float32"])
+def test_grown_mask_padded_to_a_fixed_width_compiles_per_capacity(mode, dtype, scale):
+    """transformers 5.17's ``prepare_padding_mask`` pads the 2-D attention mask, which grows a token at a
+    time, to the static cache's length: ``F.pad(mask, (0, width - n))`` with ``n`` new every token. It
+    compiled a kernel (a Fused program) per token; now one per width and capacity, with CPU's values."""
+    previous = buckets.set_growth(buckets.Growth(multiple=8, max_buckets=2, per_octave=2))
+    try:
+        masks = {device: torch.ones(1, 3, dtype=dtype, device=device) * scale for device in ("cpu", "tpu")}
+        compiled = []
+        for step in range(14):
+            before = _compiled()
+            got = {}
+            for device in ("cpu", "tpu"):
+                new = torch.full((1, 1), step % 2, dtype=dtype, device=device) * scale
+                masks[device] = torch.cat([masks[device], new], dim=1)
+                n = masks[device].shape[1]
+                got[device] = []
+                for name, (pad, value) in _MASK_PADS.items():
+                    width_pad = (pad[0], pad[1] - n) if name != "left" else pad
+                    out = F.pad(masks[device], width_pad, value=value)
+                    got[device].append(out.cpu())
+            for name, want, have in zip(_MASK_PADS, got["cpu"], got["tpu"]):
+                assert have.shape == want.shape and torch.equal(have, want), (step, name)
+            compiled.append(_compiled() - before)
+    finally:
+        buckets.set_growth(previous)
+    # lengths 4 + step: capacity 8 up to 8, then 16 from step 5 (length 9), 24 from step 13. Steps 8 to 11
+    # (lengths 12 to 15) stay in capacity 16 past its first appends: only the left pad compiles (exact,
+    # a kernel or Fused program per length); the three right pads compiled one each per length before
+    assert all(n <= 1 for n in compiled[8:12]), compiled

@@ -73,14 +73,17 @@ def capacity_of(t: torch.Tensor, d: int):
     buf = buffer_of(t)
     if buf.dtype != t.dtype or buf not in CAPACITY:
         return None
-    other = math.prod(t.shape) // t.shape[d] if t.shape[d] else 0
+    # dims of stride 0 are an expand's (transformers 5.17's repeat_kv expands the cache's heads before
+    # its reshape): the storage holds one copy of them
+    stored = [1 if s == 0 and i != d else n for i, (n, s) in enumerate(zip(t.shape, t.stride()))]
+    other = math.prod(stored) // stored[d] if stored[d] else 0
     if other == 0 or buf.numel % other:
         return None
     capacity = buf.numel // other
     if capacity < t.shape[d]:
         return None
-    want = _capacity_strides(t.shape, d, capacity)
-    if any(n != 1 and s != w for n, s, w in zip(t.shape, t.stride(), want)):
+    want = _capacity_strides(stored, d, capacity)
+    if any(n != 1 and s != 0 and s != w for n, s, w in zip(t.shape, t.stride(), want)):
         return None
     return capacity
 
@@ -310,6 +313,8 @@ def plan(op, args, kwargs):
         planned = attention_for(args, kwargs)
     elif op in _NEW_FACTORIES:
         planned = _new_factory_for(op, args, kwargs)
+    elif op is aten.constant_pad_nd.default:
+        planned = _padded_to_width_for(args, kwargs)
     elif pads(op):
         planned = padded_for(op, args, kwargs)
     else:
@@ -376,10 +381,11 @@ def grown_dim(t):
 class _PaddedOp(Kernel):
     """An op whose grown inputs are read at their whole capacity (padding zeroed past the runtime length)."""
 
-    def __init__(self, op, treedef, specs, slots, num_scalars, capacity, fresh, returns):
+    def __init__(self, op, treedef, specs, slots, num_scalars, capacity, fresh, returns, fill=0):
         super().__init__(op, op, "functional", treedef, specs, slots, None, num_scalars, False, fresh, returns)
         self.capacity = capacity
-        self.stable_id = hashlib.sha256(repr(("padded", str(op), treedef, specs, slots, capacity))
+        self.fill = fill  # what the positions past the runtime length read as
+        self.stable_id = hashlib.sha256(repr(("padded", str(op), treedef, specs, slots, capacity, fill))
                                         .encode()).hexdigest()[:24]
 
     def __repr__(self):
@@ -395,7 +401,7 @@ class _PaddedOp(Kernel):
                 x = views.read_as(flats[slot], sizes, strides, 0, tops.to_jax_dtype(dtype))
                 x = _to_capacity(x, d, self.capacity)
                 valid = (jnp.arange(self.capacity) < length).reshape([-1 if i == d else 1 for i in range(x.ndim)])
-                leaves.append(jnp.where(valid, x, jnp.zeros((), x.dtype)))
+                leaves.append(jnp.where(valid, x, jnp.asarray(self.fill, x.dtype)))
             elif spec[0] == "V":
                 _, slot, sizes, strides, index, dtype = spec
                 leaves.append(views.read_at(flats[slot], sizes, strides, _offset(sc[base + index]),
@@ -405,6 +411,58 @@ class _PaddedOp(Kernel):
         args, kwargs = unflatten_args(leaves, self.treedef)
         flat = tree_flatten(tops.call(self.op, *args, **kwargs))[0]
         return [_cast(r, shape, dtype).reshape(-1) for r, (shape, dtype) in zip(flat, self.fresh)]
+
+
+def _padded_to_width_for(args, kwargs):
+    """``constant_pad_nd`` of a grown tensor along its grown dim, on the right, to a width that stays
+    while the length grows (transformers 5.17's ``prepare_padding_mask`` pads the 2-D attention mask
+    to the static cache's length every token): one kernel per width and capacity, the length a
+    runtime input. The input is read at its capacity with the positions past the length set to the
+    pad value, then cut or padded to the width: torch's result, whose shape is the same every token."""
+    x, pad = args[0], args[1]
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    if not is_tpu(x) or len(pad) % 2 or value is None:
+        return None
+    grown = grown_dim(x)
+    if grown is None:
+        return None
+    d, capacity = grown
+    at = x.dim() - 1 - d  # pad lists (left, right) pairs from the last dim backwards
+    if any(p for i, p in enumerate(pad) if i != 2 * at + 1) or 2 * at + 1 >= len(pad):
+        return None  # padding on another dim, or on the left: positions move, the exact op runs
+    length = x.shape[d]
+    width = length + pad[2 * at + 1]
+    if width < 1 or length >= capacity:
+        return None
+    buf = buffer_of(x)
+    if buf.dtype != x.dtype:
+        return None
+    at_capacity = list(pad)
+    at_capacity[2 * at + 1] = width - capacity  # negative: torch's constant_pad_nd cuts
+    sizes = list(x.shape)
+    sizes[d] = capacity
+    strides = tuple(0 if n == 1 else s for n, s in zip(sizes, x.stride()))
+    leaves, treedef = flatten_args((x, list(at_capacity), value), {})
+    specs = (("G", 0, tuple(sizes), strides, x.dtype, d), *(("S", leaf) for leaf in leaves[1:]))
+    slots = [(buf.numel, buf.dtype)]
+    key = ("padded_to_width", specs, tuple(slots), buf.value is None, capacity)
+    kernel = _PLANS.get(key)
+    if kernel is None:
+        out = list(x.shape)
+        out[d] = width
+        kernel = _PaddedOp(aten.constant_pad_nd.default, treedef, specs, slots, 1, capacity,
+                           [(tuple(out), x.dtype)], ("single", None), fill=value)
+        with jax.enable_x64(True):
+            try:
+                kernel.check([jax.ShapeDtypeStruct((buf.numel,), tops.to_jax_dtype(buf.dtype))],
+                             jax.ShapeDtypeStruct((1,), jnp.float64))
+            except Exception:  # noqa: BLE001 - a lowering that rejects these shapes: the op runs exact
+                return None
+        rt.stats["misses"] += 1
+        _PLANS[key] = kernel
+    else:
+        rt.stats["hits"] += 1
+    return kernel, [x], [buf], [length], None
 
 
 def _to_capacity(x, d, capacity):
