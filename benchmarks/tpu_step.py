@@ -385,7 +385,8 @@ def profile(runner: Runner, a, num_batches: int, log: Log, median_s: float, flop
         t0 = time.perf_counter()
         try:
             for j in range(a.profile_steps):
-                runner.step(j % num_batches)
+                with jax.profiler.TraceAnnotation(xla_profile.STEP_ANNOTATION):
+                    runner.step(j % num_batches)
         finally:
             wall = (time.perf_counter() - t0) / a.profile_steps
             jax.profiler.stop_trace()

@@ -81,8 +81,10 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
     modules: list = []
     ops: list = []
     device_planes, source = [], "device"
+    data_planes: list = []
     for path in paths:
         data = ProfileData.from_file(path)
+        data_planes += list(data.planes)
         for plane in data.planes:
             lines = {line.name: line for line in plane.lines}
             if plane.name.startswith("/device:") and "XLA Modules" in lines:
@@ -99,6 +101,9 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
                         if "hlo_op" in stats:
                             ops.append((str(stats["hlo_op"]), e.duration_ns, stats))
     out: dict = {"source": source, "device_planes": device_planes, "steps": num_steps}
+    steps = _annotated_steps(data_planes)
+    if modules and steps:
+        out["timeline"] = timeline(steps[-1], modules)
     if modules:
         busy = _union_ns([(start, start + dur) for _, start, dur in modules])
         by_module: dict = defaultdict(lambda: [0, 0.0])
@@ -150,6 +155,37 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
     return out
 
 
+STEP_ANNOTATION = "tpu_step.step"  # the host-side TraceAnnotation around each profiled step (tpu_step.profile)
+
+
+def _annotated_steps(planes) -> list[tuple[float, float]]:
+    """(start_ns, end_ns) of each ``STEP_ANNOTATION`` event on the host planes, in order."""
+    spans = []
+    for plane in planes:
+        if plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events if e.name == STEP_ANNOTATION]
+    return sorted(spans)
+
+
+def timeline(step: tuple[float, float], modules: list) -> dict:
+    """The device's programs within one step (``(start_ns, end_ns)`` on the host's clock, which the
+    profiler aligns the device's to): each program's start from the step's start and the device's idle
+    time before it, and the idle time from the last program's end to the step's end. Where the host's
+    time goes when the device waits: before the first program (recording the step's first graph), between
+    two programs (the host recording the next one after the device finished the last) or after the last
+    (reading the results)."""
+    start, end = step
+    inside = sorted((s, d, name) for name, s, d in modules if start <= s <= end)
+    events, cursor = [], start
+    for s, d, name in inside:
+        events.append({"name": name, "start_ms": (s - start) / 1e6, "ms": d / 1e6,
+                       "idle_before_ms": max(0.0, s - cursor) / 1e6})
+        cursor = max(cursor, s + d)
+    return {"step_ms": (end - start) / 1e6, "programs": events, "idle_after_ms": max(0.0, end - cursor) / 1e6}
+
+
 def format_summary(summary: dict, wall_s: float, model_flops: float) -> list[str]:
     """Lines for the log: busy vs wall, programs, categories, top ops. ``wall_s`` is the step's wall time
     (median of the timed steps), ``model_flops`` the step's model FLOPs (for an achieved matmul rate)."""
@@ -166,6 +202,12 @@ def format_summary(summary: dict, wall_s: float, model_flops: float) -> list[str
                      f"{dev['programs_per_step']:.1f} programs/step")
         lines.append("    programs: " + "; ".join(
             f"{p['name']} x{p['runs_per_step']:.1f} {p['s_per_step'] * 1e3:.1f} ms" for p in dev["programs"][:5]))
+    tl = summary.get("timeline")
+    if tl is not None:
+        parts = [f"idle {p['idle_before_ms']:.1f} | {p['name']} {p['ms']:.1f}" for p in tl["programs"]]
+        lines.append(f"    the last profiled step ({tl['step_ms']:.1f} ms on the host), device timeline in ms: "
+                     + (" | ".join(parts) + f" | idle to the step's end {tl['idle_after_ms']:.1f}" if parts
+                        else "no program started inside it (clocks not aligned?)"))
     cats = summary["categories"]
     lines.append(f"    op time {summary['ops_s_per_step'] * 1e3:.1f} ms/step: " + ", ".join(
         f"{k} {v['s_per_step'] * 1e3:.1f} ms ({v['share'] * 100:.0f}%)" for k, v in cats.items() if v["s_per_step"]))

@@ -116,6 +116,20 @@ def test_busy_time_is_the_union_of_program_runs():
     assert xla_profile._union_ns([]) == 0  # noqa: SLF001
 
 
+def test_timeline_places_programs_and_idle_time_within_the_step():
+    ms = 1_000_000
+    modules = [("fwd", 12 * ms, 30 * ms), ("bwd", 50 * ms, 60 * ms), ("read", 111 * ms, 1 * ms),
+               ("earlier_step", 1 * ms, 5 * ms), ("overlap", 55 * ms, 2 * ms)]
+    tl = xla_profile.timeline((10 * ms, 118 * ms), modules)
+    assert tl["step_ms"] == 108
+    assert [(p["name"], p["start_ms"], p["ms"], p["idle_before_ms"]) for p in tl["programs"]] == [
+        ("fwd", 2, 30, 2), ("bwd", 40, 60, 8), ("overlap", 45, 2, 0), ("read", 101, 1, 1)]
+    assert tl["idle_after_ms"] == 6
+    line = xla_profile.format_summary({"device": None, "timeline": tl, "categories": dict.fromkeys(
+        xla_profile.CATEGORIES, {"s_per_step": 0.0, "share": 0.0}), "ops_s_per_step": 0.0, "top_ops": []}, 0.1, 1.0)
+    assert any("idle 8.0 | bwd 60.0" in text and "idle to the step's end 6.0" in text for text in line), line
+
+
 def test_tiny_cpu_run_writes_the_report_fields(tmp_path):
     out = tmp_path / "tpu_step.json"
     cmd = [sys.executable, os.path.join(BENCHMARKS, "tpu_step.py"), "--tiny", "--layers", "1", "--seq", "32",
