@@ -69,9 +69,9 @@ if HERE not in sys.path:
 
 PEAK_FLOPS = 197e12  # TPU v5e bf16 peak, 197 TFLOP/s per chip (Google Cloud's TPU v5e page)
 MODES = ("twin", "compiled", "fused", "hf", "strict")
-# Seconds the first two steps took on the chip at the default size, cold caches (2026-12-05): compiled
-# 90 s, Fused 70 + 63 s, Strict 158 s; twin and hf are estimates (one program; two Fused programs).
-EXPECTED_FIRST_STEPS_S = {"twin": 60.0, "compiled": 100.0, "fused": 140.0, "hf": 140.0, "strict": 170.0}
+# Seconds the first two steps take on the chip at the default size, cold caches, with a margin: measured
+# 2026-12-06, twin 27 s, compiled 60-67 s, Fused 57-75 s, HF Llama 67-79 s; Strict 158 s (2026-12-05).
+EXPECTED_FIRST_STEPS_S = {"twin": 45.0, "compiled": 90.0, "fused": 100.0, "hf": 100.0, "strict": 170.0}
 TARGETS = (  # (key, what, comparison, bar): issue #37
     ("compiled_over_twin_tokens", "compiled tokens/s / twin tokens/s", ">=", 0.9),
     ("compiled_mfu", "compiled MFU", ">=", 0.40),
