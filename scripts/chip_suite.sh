@@ -7,11 +7,12 @@
 # allows no TCP socket, so: no `pytest -n`; RankPool pools of one rank without a process group run
 # their functions in this process (TPUDIST_POOL_START=inprocess) and every test that needs several rank
 # processes is skipped with that reason. Tests that need a chip run here and skip elsewhere.
-# CHIP_SUITE_SECONDS (default 480) bounds pytest's wall time: the session ends between two tests 30 s
-# before it, and a test still running at the bound is interrupted (SIGINT), so the summary, failures
-# included, is printed inside a command's time limit either way.
+# CHIP_SUITE_SECONDS (default 480) bounds this script's wall time, installing included: pytest's session
+# ends between two tests 30 s before it, and a test still running at the bound is interrupted (SIGINT),
+# so the summary, failures included, is printed inside a command's time limit either way.
 # The log goes to $OUT/chip_suite.log ($OUT: the folder the device tool brings back; /tmp elsewhere).
 set -uo pipefail
+started=$(date +%s)
 cd "$(dirname "$0")/.." || exit 1
 # shellcheck source=scripts/chip_env.sh
 source scripts/chip_env.sh --transformers || exit 1
@@ -21,8 +22,9 @@ export TPUDIST_CHIP_SUITE=1
 python3 -c "import jax; d = jax.devices()[0]; assert d.platform == 'tpu', d; print('chip:', d.device_kind)" || exit 1
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(tests/device tests/kernels tests/compile tests/ops)
-seconds=${CHIP_SUITE_SECONDS:-480}
+# the bound counts from this script's start: installing (chip_env) comes out of it
+seconds=$(( ${CHIP_SUITE_SECONDS:-480} - ($(date +%s) - started) ))
 limit=(--session-timeout "$(( seconds > 60 ? seconds - 30 : seconds ))")
 python3 -m pytest --help 2>/dev/null | grep -q -- --session-timeout || limit=()  # pytest-timeout < 2.3
 timeout -s INT -k 20 "$seconds" python3 -m pytest -p no:xdist -p no:cacheprovider -o addopts="" -v -rfE \
-    --durations=20 --timeout 300 "${limit[@]}" "${args[@]}" 2>&1 | tee "${OUT:-/tmp}/chip_suite.log"
+    --tb=short --durations=20 --timeout 300 "${limit[@]}" "${args[@]}" 2>&1 | tee "${OUT:-/tmp}/chip_suite.log"
