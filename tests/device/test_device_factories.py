@@ -21,9 +21,11 @@ DEV_TIMEOUT = 600  # seconds a call in the worker may take (the ``dev`` fixture 
 MODES = ["strict", "fused"]
 
 LOGSPACE_DTYPES = ["float32", "float64", "bfloat16", "float16", "int32", "int64", "int16"]
-LOGSPACE_RANGES = [(0, 2), (0.0, 1.0), (-1.5, 2.5), (2.0, -3.0), (-2.3, 1.9), (1, 1), (0.1, 3.7)]
+# each (dtype, length, range, base) is a kernel of its own on the device (its values are a constant of the
+# program): the device test takes a few, the lowering's own tests below compare 1500 random draws
+LOGSPACE_RANGES = [(0, 2), (2.0, -3.0), (-2.3, 1.9)]
 LOGSPACE_LENGTHS = [0, 1, 2, 7, 50]
-LOGSPACE_BASES = [10.0, 2.0, 0.1, 2.5]
+LOGSPACE_BASES = [10.0, 2.5]
 
 ARANGE_DTYPES = ["int64", "int32", "int16", "int8", "uint8", "float32", "bfloat16", "float16"]
 ARANGE_ARGS = [(5,), (0.5, 5.3, 1.1), (-3.7, 4.2, 0.9), (2.5, -4.0, -1.5), (0, 10, 3), (1.9, 7), (-2.5, 3.5, 1.0),
