@@ -199,7 +199,7 @@ def logspace(start, end, steps, base=10.0, *, dtype=None, **_placement):
     its sum: torch's kernel has no fused multiply-add), then glibc's ``pow(base, exponent)`` (``math.pow``,
     what ``std::pow`` calls) cast to the dtype as C++ does (through float32 for 16-bit floats, as c10's
     Half/BFloat16 convert). One step is ``fill_(pow(base, start))``, with fill_'s checks. Measured bit for
-    bit against CPU over 7 real dtypes, lengths up to 50, 4 bases and 7 ranges on the device, and on 1500
+    bit against CPU over 7 real dtypes, lengths up to 50, 2 bases and 3 ranges on the device, and on 1500
     draws of edge and ordinary arguments, NaN bits and errors included (tests/device/test_device_factories.py).
 
     The values need start, end and base as Python numbers: a traced float raises JAX's concretization
