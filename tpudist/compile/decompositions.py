@@ -145,6 +145,12 @@ def _memory_decompositions() -> dict:
             aten.nll_loss_backward.default: _nll_loss_backward, aten.nll_loss2d_backward.default: _nll_loss_backward}
 
 
+# ops the table lowers as torch's CPU kernel computes them, which their decomposition does not:
+# torch.logspace decomposes to pow(base, linspace(start, end) in float64), not its kernel's exponents
+# (start and end cast to the dtype first), and a float64 pow on the chip is not glibc's
+_LOWERED_WHOLE = (torch.ops.aten.logspace.default,)
+
+
 @functools.cache
 def decompositions(fused_attention: bool = False) -> dict:
     """Core ATen's decompositions with the corrections; ``fused_attention`` keeps the fused attention
@@ -152,6 +158,8 @@ def decompositions(fused_attention: bool = False) -> dict:
     from torch._decomp import core_aten_decompositions
 
     table = {**core_aten_decompositions(), **_corrections(), **_memory_decompositions()}
+    for op in _LOWERED_WHOLE:
+        table.pop(op, None)
     if fused_attention:
         table.pop(_FUSED_ATTENTION, None)
     return table

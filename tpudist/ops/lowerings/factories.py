@@ -8,6 +8,7 @@ zeros: deterministic, and XLA has no uninitialised buffers anyway.
 from __future__ import annotations
 
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -187,53 +188,131 @@ def linspace(start, end, steps, *, dtype=None, **_placement):
 
 @lowers(aten.logspace.default)
 def logspace(start, end, steps, base=10.0, *, dtype=None, **_placement):
-    """torch's CPU kernel (``logspace_out``, torch 2.13): start and end cast to the result's dtype (truncated
-    for integers), their difference taken in that dtype, the step ``difference / (steps - 1)`` in float64,
-    the exponent counted up from start for the first half and down from end for the second, then
-    ``pow(base, exponent)`` in float64 cast to the dtype (through float32 for 16-bit floats, as c10's
-    Half/BFloat16 convert). One step is ``pow(base, start)``. Complex results compute in their dtype (as
-    torch does), without torch's exact rounding. Measured bit for bit against CPU over 7 real dtypes,
-    lengths up to 50, 4 bases and 7 ranges (tests/device/test_device_factories.py)."""
+    """torch's CPU kernel (``logspace_out``, torch 2.13), its checks included, computed on the host: the
+    program holds the values as a constant. XLA's pow is not glibc's (a TPU's float32 pow is not correctly
+    rounded, and its float64 is emulated), so a pow in the program is not torch's bit for bit.
+
+    Real dtypes: start and end cast to the dtype (c10's checked conversion: truncated for integers, an
+    error where they overflow it), their difference taken in that dtype (in ``int`` for narrower integers,
+    in float and rounded for 16-bit floats), the step ``difference / (steps - 1)`` in float64, the exponent
+    counted up from start for the first half and down from end for the second (each product rounded before
+    its sum: torch's kernel has no fused multiply-add), then glibc's ``pow(base, exponent)`` (``math.pow``,
+    what ``std::pow`` calls) cast to the dtype as C++ does (through float32 for 16-bit floats, as c10's
+    Half/BFloat16 convert). One step is ``fill_(pow(base, start))``, with fill_'s checks. Measured bit for
+    bit against CPU over 7 real dtypes, lengths up to 50, 2 bases and 3 ranges on the device, and on 1500
+    draws of edge and ordinary arguments, NaN bits and errors included (tests/device/test_device_factories.py).
+
+    The values need start, end and base as Python numbers: a traced float raises JAX's concretization
+    error, and the device then builds the op with its floats as constants, so each distinct (start, end,
+    steps, base, dtype) is a kernel of its own (a call with the same arguments reuses it). torch.compile's
+    programs reach this lowering too (``tpudist.compile.decompositions`` keeps the op whole; Dynamo
+    specializes its floats). Complex results compute in the program, in their dtype (as torch does), without
+    torch's exact rounding.
+
+    Example: ``torch.logspace(0, 2, 3, device="tpu")`` is a program returning the constant [1., 10., 100.].
+    """
+    if steps < 0:
+        raise RuntimeError("number of steps must be non-negative")
     dtype = to_jax_dtype(dtype or torch.get_default_dtype())
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return _complex_logspace(start, end, steps, base, dtype)
+    # float() of a traced value raises the concretization error
+    start, end = (x if isinstance(x, (int, float)) else float(x) for x in (start, end))
+    with np.errstate(all="ignore"):  # C's infinities, NaNs and out-of-range casts are values, not warnings
+        values = _logspace_on_host(start, end, operator.index(steps), float(base), np.dtype(dtype))
+    return jnp.asarray(values)
+
+
+def _complex_logspace(start, end, steps, base, dtype):
     if steps == 0:
         return jnp.zeros((0,), dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        s, e = (jnp.asarray(x).astype(dtype) for x in (start, end))
-        if steps == 1:
-            return jnp.full((1,), jnp.power(jnp.asarray(base, dtype), s), dtype)
-        step = (e - s) / jax.lax.optimization_barrier(jnp.asarray(steps - 1, dtype))
-        i = np.arange(steps)
-        exponent = jnp.where(i < steps // 2, s + step * i.astype(dtype), e - step * (steps - 1 - i).astype(dtype))
-        return jnp.power(jnp.asarray(base, dtype), exponent).astype(dtype)
-    f64 = jnp.float64
+    s, e = (jnp.asarray(x).astype(dtype) for x in (start, end))
     if steps == 1:
-        return _from_float64(jnp.full((1,), jnp.power(jnp.asarray(base, f64), jnp.asarray(start, f64))), dtype)
-    if jnp.issubdtype(dtype, jnp.integer):
-        s, e = (jnp.trunc(jnp.asarray(x, f64)).astype(dtype) for x in (start, end))
-        difference = (e - s).astype(f64)
-    else:
-        low = is_low_precision(dtype)
-        s, e = (_from_float64(jnp.asarray(x, f64), dtype) for x in (start, end))
-        difference = e.astype(jnp.float32) - s.astype(jnp.float32) if low else e - s
-        difference = difference.astype(dtype).astype(f64)
-    # a barrier: XLA turns a division by a constant into a multiplication by its rounded reciprocal
-    step = difference / jax.lax.optimization_barrier(jnp.asarray(steps - 1, f64))
+        return jnp.full((1,), jnp.power(jnp.asarray(base, dtype), s), dtype)
+    step = (e - s) / jax.lax.optimization_barrier(jnp.asarray(steps - 1, dtype))
     i = np.arange(steps)
-    # the products rounded before the sums: XLA:CPU contracts a multiply feeding an add into a fused
-    # multiply-add (one rounding), which torch's kernel (built without FMA) does not do, and no barrier stops
-    # it inside a fusion. A conditional's branch is a computation of its own: its products reach the sums
-    # as rounded values (both branches are the same; the predicate only has to be traced)
-    def products(a):
-        return a * i.astype(np.float64), a * (steps - 1 - i).astype(np.float64)
-
-    up, down = jax.lax.cond(step == step, products, products, step)
-    exponent = jnp.where(i < steps // 2, s.astype(f64) + up, e.astype(f64) - down)
-    return _from_float64(jnp.power(jnp.asarray(base, f64), exponent), dtype)
+    exponent = jnp.where(i < steps // 2, s + step * i.astype(dtype), e - step * (steps - 1 - i).astype(dtype))
+    return jnp.power(jnp.asarray(base, dtype), exponent).astype(dtype)
 
 
-def _from_float64(x, dtype):
-    """A float64 value as C++'s ``static_cast`` makes it ``dtype``: c10's Half and BFloat16 convert from float."""
-    return x.astype(jnp.float32).astype(dtype) if is_low_precision(dtype) else x.astype(dtype)
+def _logspace_on_host(start, end, steps: int, base: float, dtype: np.dtype) -> np.ndarray:
+    """torch's ``logspace_out`` for a real ``dtype``, in numpy and glibc's pow (see ``logspace``)."""
+    if steps == 0:
+        return np.zeros((0,), dtype)
+    if steps == 1:
+        value = _c_pow(base, float(start))
+        if is_low_precision(dtype) or dtype == np.bool_:  # fill_ converts these without an overflow check
+            return _static_cast(np.full((1,), value), dtype)
+        return _checked(value, dtype).reshape(1)
+    if dtype == np.bool_:  # torch fills one step of bool but computes no more (its kernel's dispatch)
+        raise NotImplementedError("\"logspace_cpu\" not implemented for 'Bool'")
+    s, e = _checked(start, dtype), _checked(end, dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        # C's arithmetic: integers narrower than int subtract as int; int and int64_t wrap
+        wide = np.int64 if dtype == np.int64 else np.int32
+        difference = float(np.subtract(e.astype(wide), s.astype(wide)))
+    elif is_low_precision(dtype):  # c10's Half and BFloat16 subtract in float and round the result
+        difference = float(_static_cast(np.subtract(e.astype(np.float32), s.astype(np.float32)), dtype))
+    else:
+        difference = float(np.subtract(e, s))
+    step = difference / (steps - 1)
+    i = np.arange(steps, dtype=np.float64)
+    # numpy rounds each product before its sum, as torch's kernel (no fused multiply-add) does
+    exponent = np.where(i < steps // 2, float(s) + step * i, float(e) - step * (steps - 1 - i))
+    return _static_cast(np.fromiter((_c_pow(base, y) for y in exponent.tolist()), np.float64, steps), dtype)
+
+
+def _c_pow(x: float, y: float) -> float:
+    """glibc's ``pow(x, y)``, which torch's ``std::pow`` calls: ``math.pow`` calls it too (numpy's power may
+    not: it can take SIMD approximations), but raises where C returns an infinity or a NaN."""
+    try:
+        return math.pow(x, y)
+    except OverflowError:
+        return -math.inf if x < 0 and _is_odd(y) else math.inf
+    except ValueError:
+        if x == 0:  # zero to a negative power
+            return math.copysign(math.inf, x) if _is_odd(y) else math.inf
+        # a negative number to a non-integer power: glibc returns (x - x) / (x - x), the hardware's
+        # default NaN (x86's has its sign bit set)
+        return float(np.divide(np.float64(0.0), np.float64(0.0)))
+
+
+def _is_odd(y: float) -> bool:
+    return y.is_integer() and math.fmod(y, 2.0) != 0.0
+
+
+def _checked(value, dtype: np.dtype) -> np.ndarray:
+    """A Python int or float as c10's ``checked_convert`` makes it ``dtype`` (``Scalar::to``, ``fill_``),
+    a 0-d array: torch's error where the value overflows the dtype."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        # infinities and NaN convert; the bound as a Python float (a numpy bound would round the value to it)
+        fits = not math.isfinite(value) or abs(value) <= float(jnp.finfo(dtype).max)
+    else:
+        info = np.iinfo(dtype)
+        # c10 compares a float with the dtype's bounds as doubles (NaN fits nowhere), and lets a negative
+        # int wrap into an unsigned dtype
+        fits = (info.min <= value <= float(info.max) if isinstance(value, float)
+                else info.min <= value <= info.max or (info.min == 0 and -info.max <= value < 0))
+    if not fits:
+        raise RuntimeError(f"value cannot be converted to type {_C_NAMES[dtype]} without overflow")
+    return _static_cast(np.asarray(value, np.int64 if isinstance(value, int) else np.float64), dtype)
+
+
+def _static_cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """int64 or float64 ``values`` as C++'s ``static_cast`` makes them ``dtype`` on x86-64: 16-bit floats
+    through float (c10's Half and BFloat16 convert from float; its BFloat16 makes every NaN 0x7FC0),
+    integers truncated, an out-of-range float as x86's conversion makes it (numpy's cast does the same)."""
+    if is_low_precision(dtype):
+        values = values.astype(np.float32)
+        if dtype == jnp.bfloat16:
+            values = np.where(np.isnan(values), np.float32(np.nan), values)
+    return values.astype(dtype)
+
+
+# c10's names of the dtypes, in its conversion errors
+_C_NAMES = {np.dtype(name): c_name for name, c_name in (
+    ("float64", "double"), ("float32", "float"), ("float16", "c10::Half"), (jnp.bfloat16, "c10::BFloat16"),
+    ("int64", "int64_t"), ("int32", "int"), ("int16", "int16_t"), ("int8", "int8_t"), ("uint8", "uint8_t"))}
 
 
 @lowers(aten.eye.default, aten.eye.m)
