@@ -64,11 +64,13 @@ _SUFFIX = ".tpc"
 _STALE_TMP_SECONDS = 3600  # a temporary file this old was left by a writer that died
 _EVICT_TO = 0.9  # eviction frees down to this share of the bound, so the next puts do not scan again
 # A put lists the folder (to evict) only when the last listing is older than this or this process's
-# running total since (that listing's total plus its own puts) passes _EVICT_TO of the bound: a folder of
-# 50,000 entries took ~115 ms to list, on every put. Near the bound every put lists, as before, so the
-# bound holds after the last put of processes sharing the folder; far below it, other processes' puts
-# count from the next listing.
+# running total since (that listing's total plus its own puts) passes half the bound: a folder of 50,000
+# entries took ~115 ms to list, on every put. Past half the bound every put lists, as before, so the bound
+# holds after the last put of processes sharing the folder (eviction frees down to _EVICT_TO, not below
+# half); under it, other processes' puts count from the next listing, and only more than half the bound
+# written by others within these seconds could pass it in between.
 _RELIST_SECONDS = 60.0
+_UNLISTED_SHARE = 0.5
 
 
 class CacheEntryWarning(UserWarning):
@@ -183,7 +185,7 @@ class ProgramCache:
             known = self._total is not None and time.monotonic() - self._listed_at < _RELIST_SECONDS
             if known:
                 self._total += len(blob)
-                known = self._total <= self.max_bytes * _EVICT_TO
+                known = self._total <= self.max_bytes * _UNLISTED_SHARE
         if not known:  # other processes' puts since the last listing count from the next one
             self.evict()
         return True

@@ -97,24 +97,27 @@ def test_eviction_keeps_the_bound_and_removes_least_recently_used(tmp_path):
     assert cache.total_bytes() <= 9_000 + 1100  # freed down to 90% of the bound once over
 
 
-def test_puts_list_the_folder_only_near_the_bound(tmp_path, monkeypatch):
+def test_puts_list_the_folder_only_past_half_the_bound(tmp_path, monkeypatch):
     """A put listed the whole folder to evict (~115 ms for 50,000 entries): now the first put lists, later
-    ones add their size to that total, and the folder is listed again once the total passes 90% of the
-    bound (then every put lists, as before) or the listing is older than ``_RELIST_SECONDS``."""
-    cache = ProgramCache(tmp_path, max_bytes=10_000)  # an entry of 1000 bytes is 1218 with its header
+    ones add their size to that total, and the folder is listed again once the total passes half the bound
+    (then every put lists, as before) or the listing is older than ``_RELIST_SECONDS``."""
+    cache = ProgramCache(tmp_path, max_bytes=20_000)  # an entry of 1000 bytes is 1218 with its header
     listings = []
     real = cache._storage.listing  # noqa: SLF001
     monkeypatch.setattr(cache._storage, "listing", lambda: listings.append(1) or real())  # noqa: SLF001
-    for i in range(7):
-        cache.put(f"a{i}", bytes(1000))  # 8526 bytes: within 90% of the bound
-    assert len(listings) == 1 and cache.stats.evictions == 0
-    other = ProgramCache(tmp_path, max_bytes=10_000)  # another process: its first put lists
+    for i in range(8):
+        cache.put(f"a{i}", bytes(1000))  # 9744 bytes: under half the bound
+    assert len(listings) == 1
+    other = ProgramCache(tmp_path, max_bytes=20_000)  # another process: its first put lists
     other.put("b0", bytes(1000))
-    assert other.stats.evictions == 0 and len(other.keys()) == 8
-    cache.put("a7", bytes(1000))  # cache's own total (9744) passes 90%: it lists and sees b0 too, and evicts
-    assert len(listings) == 2 and cache.stats.evictions > 0 and cache.total_bytes() <= 10_000
-    cache.put("a8", bytes(10))  # near the bound: every put lists
-    assert len(listings) == 3
+    assert len(other.keys()) == 9
+    cache.put("a8", bytes(1000))  # cache's own total (b0 unseen) passes half the bound: it lists
+    assert len(listings) == 2
+    cache.put("a9", bytes(1000))  # past half the bound: every put lists
+    assert len(listings) == 3 and cache.stats.evictions == 0
+    for i in range(10, 18):
+        cache.put(f"a{i}", bytes(1000))
+    assert len(listings) == 11 and cache.stats.evictions > 0 and cache.total_bytes() <= 20_000
     far = ProgramCache(tmp_path, max_bytes=1 << 30)
     monkeypatch.setattr(far._storage, "listing", lambda: listings.append(1) or real())  # noqa: SLF001
     listings.clear()
