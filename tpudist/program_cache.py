@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 _MAGIC = b"TPUDIST-PROGRAM\x01"  # the format; a new layout bumps the last byte
 _SUFFIX = ".tpc"
 _STALE_TMP_SECONDS = 3600  # a temporary file this old was left by a writer that died
-_EVICT_TO = 0.9  # eviction frees down to this share of the bound, so the next puts do not scan again
+_EVICT_TO = 0.9  # eviction frees down to this share of the bound, so the next puts do not evict again
 # A put lists the folder (to evict) only when the last listing is older than this or this process's
 # running total since (that listing's total plus its own puts) passes half the bound: a folder of 50,000
 # entries took ~115 ms to list, on every put. Past half the bound every put lists, as before, so the bound

@@ -121,13 +121,13 @@ def _nll_loss_backward(grad_output, x, target, weight, reduction: int, ignore_in
         grad_output = grad_output / total_weight
     target = target.unsqueeze(channel_dim)
     kept = target != ignore_index
-    classes = torch.arange(x.shape[channel_dim], device=target.device)
-    classes = classes.reshape([-1 if d == channel_dim else 1 for d in range(x.dim())])
+    along_classes = [-1 if d == channel_dim else 1 for d in range(x.dim())]  # a shape that broadcasts
+    classes = torch.arange(x.shape[channel_dim], device=target.device).reshape(along_classes)
     grad_input = torch.where(classes == torch.where(kept, target, 0), -1.0, 0.0).to(x.dtype)
     if grad_input.dim() > grad_output.dim() > 0:
         grad_output = grad_output.unsqueeze(channel_dim)
     if weight is not None:
-        grad_input = grad_input * weight.reshape([-1 if d == channel_dim else 1 for d in range(x.dim())])
+        grad_input = grad_input * weight.reshape(along_classes)
     grad_input = torch.where(kept, grad_input, 0)
     return grad_input * grad_output
 

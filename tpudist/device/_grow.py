@@ -413,6 +413,27 @@ class _PaddedOp(Kernel):
         return [_cast(r, shape, dtype).reshape(-1) for r, (shape, dtype) in zip(flat, self.fresh)]
 
 
+def _grown_spec(x, slot, d, capacity):
+    """The leaf spec of grown ``x`` read at its whole ``capacity`` along ``d`` (``_PaddedOp.trace``)."""
+    sizes = list(x.shape)
+    sizes[d] = capacity
+    strides = tuple(0 if n == 1 else s for n, s in zip(sizes, x.stride()))
+    return ("G", slot, tuple(sizes), strides, x.dtype, d)
+
+
+def _checks(kernel, slots, num_scalars) -> bool:
+    """Whether ``kernel`` traces at these storage sizes (a lowering may reject the capacity's shapes:
+    the op then runs exact)."""
+    with jax.enable_x64(True):
+        sc = jax.ShapeDtypeStruct((num_scalars,), jnp.float64)
+        arrays = [jax.ShapeDtypeStruct((n,), tops.to_jax_dtype(dt)) for n, dt in slots]
+        try:
+            kernel.check(arrays, sc)
+        except Exception:  # noqa: BLE001 - any rejection means: not at the capacity
+            return False
+    return True
+
+
 def _padded_to_width_for(args, kwargs):
     """``constant_pad_nd`` of a grown tensor along its grown dim, on the right, to a width that stays
     while the length grows (transformers 5.17's ``prepare_padding_mask`` pads the 2-D attention mask
@@ -434,16 +455,11 @@ def _padded_to_width_for(args, kwargs):
     width = length + pad[2 * at + 1]
     if width < 1 or length >= capacity:
         return None
-    buf = buffer_of(x)
-    if buf.dtype != x.dtype:
-        return None
+    buf = buffer_of(x)  # its dtype is x's: grown_dim checked
     at_capacity = list(pad)
     at_capacity[2 * at + 1] = width - capacity  # negative: torch's constant_pad_nd cuts
-    sizes = list(x.shape)
-    sizes[d] = capacity
-    strides = tuple(0 if n == 1 else s for n, s in zip(sizes, x.stride()))
     leaves, treedef = flatten_args((x, list(at_capacity), value), {})
-    specs = (("G", 0, tuple(sizes), strides, x.dtype, d), *(("S", leaf) for leaf in leaves[1:]))
+    specs = (_grown_spec(x, 0, d, capacity), *(("S", leaf) for leaf in leaves[1:]))
     slots = [(buf.numel, buf.dtype)]
     key = ("padded_to_width", specs, tuple(slots), buf.value is None, capacity)
     kernel = _PLANS.get(key)
@@ -452,12 +468,8 @@ def _padded_to_width_for(args, kwargs):
         out[d] = width
         kernel = _PaddedOp(aten.constant_pad_nd.default, treedef, specs, slots, 1, capacity,
                            [(tuple(out), x.dtype)], ("single", None), fill=value)
-        with jax.enable_x64(True):
-            try:
-                kernel.check([jax.ShapeDtypeStruct((buf.numel,), tops.to_jax_dtype(buf.dtype))],
-                             jax.ShapeDtypeStruct((1,), jnp.float64))
-            except Exception:  # noqa: BLE001 - a lowering that rejects these shapes: the op runs exact
-                return None
+        if not _checks(kernel, slots, 1):
+            return None
         rt.stats["misses"] += 1
         _PLANS[key] = kernel
     else:
@@ -555,11 +567,7 @@ def _plan(op, leaves, treedef, grown, length, capacity, exact_leaves=None):
             slot = slot_of[id(buf)] = len(buffers)
             buffers.append(buf)
         if i in grown:
-            d, have = grown[i]
-            sizes = list(x.shape)
-            sizes[d] = have
-            strides = tuple(0 if n == 1 else s for n, s in zip(sizes, x.stride()))
-            specs.append(("G", slot, tuple(sizes), strides, x.dtype, d))
+            specs.append(_grown_spec(x, slot, *grown[i]))
         else:  # at a runtime offset (beam search's beam_idx is a column of a new tensor per step)
             _, _, sizes, strides, offset, dtype = _spec(x, slot)
             specs.append(("V", slot, sizes, strides, len(scalars), dtype))
@@ -625,11 +633,4 @@ def _build_plan(op, leaves, treedef, grown, length, capacity, specs, slots, num_
     returns = ("single", None) if isinstance(got, torch.Tensor) else ("fresh", tree_flatten(got)[1])
     fresh = [(tuple(g.shape), g.dtype) for g in got_flat]
     kernel = _PaddedOp(op, treedef, tuple(specs), slots, num_scalars, capacity, fresh, returns)
-    with jax.enable_x64(True):
-        sc = jax.ShapeDtypeStruct((num_scalars,), jnp.float64)
-        arrays = [jax.ShapeDtypeStruct((n,), tops.to_jax_dtype(dt)) for n, dt in slots]
-        try:
-            kernel.check(arrays, sc)
-        except Exception:  # noqa: BLE001 - a lowering that rejects these shapes: the op runs exact
-            return None
-    return kernel, out_dims
+    return (kernel, out_dims) if _checks(kernel, slots, num_scalars) else None
