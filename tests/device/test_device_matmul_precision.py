@@ -303,6 +303,49 @@ def test_fused_graph_runs_before_a_product_at_another_precision(dev):
     assert result["error"] < 1e-4
 
 
+def grown_cache_attention(mode: str, setting: str) -> dict:
+    """A KV cache grown by ``cat`` two tokens a step and attended causally (``_grow``'s padded attention,
+    read at the capacity): the products lowered, the largest difference from CPU."""
+    import torch.nn.functional as F
+
+    import tpudist.device  # noqa: F401
+    from tpudist.device import _grow, buckets
+
+    previous = buckets.set_growth(buckets.Growth(multiple=8, max_buckets=2, per_octave=2))
+    torch.tpu.set_eager_mode(mode)
+    torch.set_float32_matmul_precision(setting)
+    g = torch.Generator().manual_seed(5)
+    k = v = torch.randn(1, 2, 3, 8, generator=g).to("tpu")
+    errors = []
+    try:
+        with Lowered() as lowered:
+            for _ in range(4):  # lengths 5, 7, 9, 11: capacities 8 and 16, each step a new shape
+                k = torch.cat([k, torch.randn(1, 2, 2, 8, generator=g).to("tpu")], dim=2)
+                v = torch.cat([v, torch.randn(1, 2, 2, 8, generator=g).to("tpu")], dim=2)
+                q = torch.randn(1, 2, 2, 8, generator=g)
+                out = F.scaled_dot_product_attention(q.to("tpu"), k, v, is_causal=True)
+                errors.append(float((out.cpu() - F.scaled_dot_product_attention(q, k.cpu(), v.cpu(), is_causal=True))
+                                    .abs().max()))
+        kinds = sorted({type(kernel).__name__ for kernel in _grow._KERNELS.values()})  # noqa: SLF001
+    finally:
+        buckets.set_growth(previous)
+        torch.set_float32_matmul_precision("highest")
+        torch.tpu.set_eager_mode("strict")
+    return {"products": lowered.products(), "kinds": kinds, "error": max(errors)}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_grown_cache_products_take_the_setting(dev, mode, setting):
+    """``_grow``'s attention over a cache's capacity is built outside ``_core``'s check, which tells the
+    kernels with dots; its dots must take torch's setting all the same (on the chip, it ran at DEFAULT
+    and missed CPU's result at 1e-5 where the attention at the exact length matched)."""
+    result = dev(grown_cache_attention, mode, setting)
+    assert "_PaddedAttention" in result["kinds"], result["kinds"]
+    assert result["products"] and {p for p, _, _ in result["products"]} == {XLA[setting]}, result["products"]
+    assert result["error"] < 1e-5
+
+
 def cost_of_the_check() -> dict:
     """How often an op reads torch's setting: only kernels whose program holds a product do."""
     import tpudist.device  # noqa: F401

@@ -227,6 +227,9 @@ class _PaddedAttention(Kernel):
                          ("fresh", tree_flatten((0, 0))[1]))
         self.q_spec, self.kv_slots, self.mask_spec, self.capacity = q_spec, kv_slots, mask_spec, capacity
         self.is_causal, self.scale = is_causal, scale
+        # its scores and output are dots: torch's float32 matmul precision picks the program (a kernel
+        # built by _core learns this from its trace, ``Kernel.check``; on a TPU, DEFAULT is one bf16 pass)
+        self.matmul = True
         self.stable_id = hashlib.sha256(repr(("padded-attention", slots, q_spec, kv_slots, mask_spec, capacity,
                                               is_causal, scale)).encode()).hexdigest()[:24]
 
