@@ -38,7 +38,7 @@ from tpudist.device import _runtime as rt
 from tpudist.device import views
 from tpudist.device._storage import (  # noqa: F401  (re-exported: the kernels module uses them from here)
     _ATTR, X64, Buffer, Lazy, Shaped, _create_empty, _fast, _retype, buffer_of, concrete, flush, from_cpu, is_tpu,
-    new_tensor, tensor_over, to_cpu, to_jax, to_torch, value_of,
+    new_tensor, tensor_over, to_cpu, to_jax, to_torch, value_of, warn_if_emulated,
 )
 
 aten = torch.ops.aten
@@ -119,6 +119,8 @@ class Kernel:
         self.outputs = self.orders = None
         if value is not None:
             self.outputs, self.orders = zip(*(_output(*entry) for entry in value)) if value else ((), ())
+            for entry in value:  # a kernel that makes float64 on a TPU (a factory, .double()) warns once
+                warn_if_emulated(entry[1])
 
     def _run(self, arrays, sc):
         return self.trace(arrays, sc)

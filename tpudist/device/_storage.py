@@ -128,6 +128,33 @@ _META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)  # noqa: SLF001
 # -- host <-> device ---------------------------------------------------------------------------------
 
 
+# float64 and complex128 on a TPU: the chip has no float64 unit and XLA emulates one with pairs of
+# float32 (measured on a TPU v5e, JAX 0.10.2, scripts/probes/f64_in_range.py): every copy to the chip
+# changes values (median 2 ulp, up to ~1e3), float32's exponent range only, -0.0 stored as 0.0
+EMULATED_ON_TPU = (torch.float64, torch.complex128)
+FLOAT64_ON_TPU = (
+    "float64 on a TPU is emulated by XLA with pairs of float32, not IEEE float64: values beyond float32's range "
+    "(|x| > 3.4e38) become inf, -0.0 becomes 0.0, a copy to the chip and back changes most values in their last "
+    "bits (median 2 ulp, up to ~1e3 ulp measured on a TPU v5e) and arithmetic loses more (up to 2**40 ulp near "
+    "float32's smallest normals). Keep float64 computations that must match the CPU on the CPU, or use float32 "
+    "(docs/device.md, Limits). This warning is shown once per process.")
+_warned_float64 = [False]
+
+
+def _on_tpu() -> bool:
+    return rt.device().platform == "tpu"
+
+
+def warn_if_emulated(dtype: torch.dtype) -> None:
+    """Warn, once per process, when a float64 or complex128 value is first put on (or made on) a TPU."""
+    if _warned_float64[0] or dtype not in EMULATED_ON_TPU or not _on_tpu():
+        return
+    _warned_float64[0] = True
+    import warnings
+
+    warnings.warn(FLOAT64_ON_TPU, UserWarning, stacklevel=3)
+
+
 def to_jax(t: torch.Tensor, order=None):
     """A CPU tensor's values as a flat jax.Array on the device (a copy: torch keeps its memory), in
     row-major order of ``t.permute(order)`` where ``order`` is given (a storage's physical order)."""
@@ -139,6 +166,7 @@ def to_jax(t: torch.Tensor, order=None):
     else:
         host = t.numpy()
     dev = rt.device()
+    warn_if_emulated(t.dtype)
     try:
         with jax.enable_x64(True):  # else int64/float64 are silently truncated to 32 bits
             return jax.device_put(host.reshape(-1), dev)

@@ -1,0 +1,76 @@
+"""float64 on a TPU: XLA emulates it with pairs of float32, so the device warns once per process when a
+float64 (or complex128) value is first put on or made on a chip, and the chip test checks the limits
+docs/device.md states (measured on a TPU v5e with scripts/probes/f64_in_range.py).
+
+The warning tests run anywhere (the platform check is patched); the chip test skips elsewhere.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import tpudist.device  # noqa: F401  (installs the "tpu" device)
+from tpudist.device import _storage
+
+ON_TPU = jax.devices()[0].platform == "tpu"
+
+
+@pytest.fixture
+def chip(monkeypatch):
+    """The device as if it were a TPU (the check only), with the once-per-process warning not yet shown."""
+    monkeypatch.setattr(_storage, "_on_tpu", lambda: True)
+    monkeypatch.setattr(_storage, "_warned_float64", [False])
+
+
+def _caught(fn) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if "float64 on a TPU" in str(w.message)]
+
+
+@pytest.mark.parametrize("how", ["copy", "factory", "cast", "complex128"])
+def test_float64_on_a_tpu_warns_once(chip, how):
+    x = torch.randn(11, 3, 5)  # kernels warn when they are built: shapes no other test makes
+    make = {
+        "copy": lambda: x.double().to("tpu"),
+        "factory": lambda: torch.zeros(13, 5, 3, dtype=torch.float64, device="tpu"),
+        "cast": lambda: x.to("tpu").mul(3).to(torch.float64).add(1).cpu(),
+        "complex128": lambda: torch.randn(2, dtype=torch.complex128).to("tpu"),
+    }[how]
+    first = _caught(make)
+    assert len(first) == 1, first
+    assert "pairs of float32" in first[0] and "(|x| > 3.4e38) become inf" in first[0] and "on the CPU" in first[0]
+    assert _caught(make) == []  # once per process
+    assert _caught(lambda: torch.ones(2, dtype=torch.float64, device="tpu")) == []
+
+
+def test_other_dtypes_and_other_platforms_do_not_warn(monkeypatch, chip):
+    assert _caught(lambda: (torch.randn(3).to("tpu") * 2, torch.arange(4, device="tpu"),
+                            torch.randn(2, dtype=torch.complex64).to("tpu"), torch.randn(2).half().to("tpu"))) == []
+    monkeypatch.setattr(_storage, "_on_tpu", lambda: False)
+    assert _caught(lambda: (torch.randn(3).double().to("tpu"), torch.zeros(6, 7, dtype=torch.float64,
+                                                                            device="tpu"))) == []
+    assert _storage._warned_float64 == [False]  # noqa: SLF001
+
+
+@pytest.mark.skipif(not ON_TPU, reason=f"needs a TPU chip; JAX's first device is {jax.devices()[0].platform}")
+def test_float64_limits_on_the_chip():
+    """What docs/device.md says of float64 on a TPU: values inside float32's range come back within
+    2**-40 relative (not bit for bit), beyond it inf, -0.0 as 0.0; float32 and int64 copies are exact."""
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.standard_normal(20000) * 10.0 ** rng.uniform(-30, 30, 20000))
+    back = x.to("tpu").cpu()
+    rel = ((back - x).abs() / x.abs()).max().item()
+    assert rel < 2.0**-40, rel
+    edges = torch.tensor([3.5e38, -1e300, -0.0], dtype=torch.float64).to("tpu").cpu()
+    assert edges[0] == float("inf") and edges[1] == float("-inf") and not edges[2].signbit()
+    f32 = torch.from_numpy(rng.standard_normal(1000).astype(np.float32))
+    assert torch.equal(f32.to("tpu").cpu(), f32)
+    ints = torch.from_numpy(rng.integers(-2**62, 2**62, 1000))
+    assert torch.equal(ints.to("tpu").cpu(), ints)
