@@ -93,21 +93,26 @@ def test_bad_switch_value_raises(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["fused"], indirect=True)
-def test_forward_in_chunks_equals_cpu_and_reuses_its_programs(mode, monkeypatch):
-    """TPUDIST_FUSED_FORWARD_CHUNK=6: a forward under autograd runs every 6 ops, its values crossing
+@pytest.mark.parametrize("chunks,width,syncs", [
+    ({"FORWARD": "6"}, 44, 3), ({"BACKWARD": "5"}, 46, 4), ({"FORWARD": "6", "BACKWARD": "5"}, 48, 5)],
+    ids=["forward", "backward", "both"])
+def test_steps_in_chunks_equal_cpu_and_reuse_their_programs(mode, monkeypatch, chunks, width, syncs):
+    """TPUDIST_FUSED_FORWARD_CHUNK=6: a forward under autograd runs every 6 ops; TPUDIST_FUSED_BACKWARD_CHUNK=5:
+    the graph begun in the backward pass (backward, then the optimizer step) every 5. Values cross the cuts
     in their own shape; every step is cut at the same ops (no program after step 1); a forward under
     no_grad is not cut."""
-    monkeypatch.setenv("TPUDIST_FUSED_FORWARD_CHUNK", "6")
-    ref = _train(_mlp(44), "cpu")
-    model = _mlp(44).to("tpu")
+    for part, ops in chunks.items():
+        monkeypatch.setenv(f"TPUDIST_FUSED_{part}_CHUNK", ops)
+    ref = _train(_mlp(width), "cpu")
+    model = _mlp(width).to("tpu")
     got = _train(model, "tpu")
+    # a program per chunk: without chunks a step runs two (the forward at the backward's start, the rest)
     for (r_loss, _, r_params), (loss, moved, params) in zip(ref, got):
-        # the forward's chunks and the rest (the loss's .item() reads a value a chunk made: no sync)
-        assert moved["syncs"] >= 3 and moved["shaped_reads"] > 0 and moved["shaped_flattened"] == 0, moved
+        assert moved["syncs"] == syncs and moved["shaped_reads"] > 0 and moved["shaped_flattened"] == 0, moved
         for r, g in zip(r_params, params):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
         assert abs(loss - r_loss) <= 1e-5 * abs(r_loss)
-    assert got[1][1]["syncs"] == got[0][1]["syncs"]
+    assert got[2][1]["syncs"] == got[1][1]["syncs"]
     built = torch.tpu.cache_stats()["programs"]
     _train(model, "tpu")
     assert torch.tpu.cache_stats()["programs"] == built
@@ -124,3 +129,6 @@ def test_bad_chunk_value_raises(monkeypatch):
     monkeypatch.setenv("TPUDIST_FUSED_FORWARD_CHUNK", "-5")
     with pytest.raises(ValueError, match="TPUDIST_FUSED_FORWARD_CHUNK='-5' must be a number of ops"):
         _fused.forward_chunk()
+    monkeypatch.setenv("TPUDIST_FUSED_BACKWARD_CHUNK", "1e3")
+    with pytest.raises(ValueError, match="TPUDIST_FUSED_BACKWARD_CHUNK='1e3' must be a number of ops"):
+        _fused.backward_chunk()

@@ -44,6 +44,7 @@ from tpudist.device._storage import outputs as _outputs
 _CAP_ENV = "TPUDIST_FUSED_MAX_OPS"
 _SPLIT_ENV = "TPUDIST_FUSED_SPLIT_BACKWARD"
 _CHUNK_ENV = "TPUDIST_FUSED_FORWARD_CHUNK"
+_BACKWARD_CHUNK_ENV = "TPUDIST_FUSED_BACKWARD_CHUNK"
 assert _ATTR == "_tpudist_buffer"  # record() sets the storage's buffer under this name
 _PROGRAMS: dict = {}
 
@@ -59,10 +60,13 @@ class Graph:
         self.cap = max_ops()       # read once per graph, not per op (an environment read is ~3 us)
         self.precision = None      # torch's float32 matmul precision of its dots (None: it has none yet)
         self.shaped_inputs = []    # (input index, shape) of the inputs read in their own shape (Shaped)
+        in_backward = _graph_task_id() != -1
         # recorded outside a backward pass: the first backward op runs it (split_backward)
-        self.forward = split_backward() and _graph_task_id() == -1
-        # a forward under autograd runs every ``chunk`` ops (0: at the backward's first op only)
-        self.chunk = forward_chunk() if self.forward and torch.is_grad_enabled() else 0
+        self.forward = split_backward() and not in_backward
+        # runs every ``chunk`` ops (0: at a sync, or the forward at the backward's first op): a forward
+        # under autograd, or a graph begun in a backward pass (the backward, then the optimizer step)
+        self.chunk = (forward_chunk() if self.forward and torch.is_grad_enabled()
+                      else backward_chunk() if in_backward else 0)
 
 
 _graph: Graph | None = None
@@ -85,9 +89,20 @@ def forward_chunk() -> int:
     """``TPUDIST_FUSED_FORWARD_CHUNK``: a forward recorded under autograd runs every that many ops (0, the
     default: it runs at the backward's first op), so the device starts on it while the host records the
     rest. A count of ops, not a time: every step is cut at the same ops and reuses its programs."""
-    value = os.environ.get(_CHUNK_ENV, "0")
+    return _ops_env(_CHUNK_ENV)
+
+
+def backward_chunk() -> int:
+    """``TPUDIST_FUSED_BACKWARD_CHUNK``: a graph begun in a backward pass (the backward, and the optimizer
+    step recorded after it) runs every that many ops (0, the default: at the next sync), so the device
+    is not left idle once the forward's programs are done while the host records the rest."""
+    return _ops_env(_BACKWARD_CHUNK_ENV)
+
+
+def _ops_env(name: str) -> int:
+    value = os.environ.get(name, "0")
     if not value.isdigit():
-        raise ValueError(f"{_CHUNK_ENV}={value!r} must be a number of ops (0: no chunks, the default)")
+        raise ValueError(f"{name}={value!r} must be a number of ops (0: no chunks, the default)")
     return int(value)
 
 
