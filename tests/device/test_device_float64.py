@@ -74,3 +74,44 @@ def test_float64_limits_on_the_chip():
     assert torch.equal(f32.to("tpu").cpu(), f32)
     ints = torch.from_numpy(rng.integers(-2**62, 2**62, 1000))
     assert torch.equal(ints.to("tpu").cpu(), ints)
+
+
+@pytest.mark.parametrize("platform,base,generalises", [
+    ("cpu", 2**50, True), ("tpu", 2**50, False), ("tpu", 2**46, True)], ids=["cpu-2**50", "tpu-2**50", "tpu-2**46"])
+def test_ints_enter_the_scalar_vector_only_where_they_stay_exact(monkeypatch, platform, base, generalises):
+    """An int that changes at the same place becomes a runtime input, a float64 in the program's scalar
+    vector: exact below 2**53 on the CPU, but a TPU's float64 keeps about 48 bits (ints near 2**53
+    measured up to 8 off), so there an int of 2**47 or more stays a constant (a kernel per value)."""
+    monkeypatch.setattr(_storage, "_on_tpu", lambda: platform == "tpu")
+    n = {"cpu-2**50": 5, "tpu-2**50": 6, "tpu-2**46": 7}[f"{platform}-2**{base.bit_length() - 1}"]
+    x = torch.arange(n) * 3  # int64, a length no other test adds ints to
+    compiled = []
+    with torch.tpu.eager_mode("strict"):
+        dx = x.to("tpu")
+        for i in range(5):
+            stats = torch.tpu.cache_stats()
+            before = stats["programs"] + stats["kernels"]
+            got = (dx + (base + 7 * i)).cpu()
+            stats = torch.tpu.cache_stats()
+            compiled.append(stats["programs"] + stats["kernels"] - before)
+            assert torch.equal(got, x + (base + 7 * i))
+    assert compiled[0] > 0 and compiled[1] > 0  # the first value, then the second (generalised or not)
+    assert (compiled[2:] == [0, 0, 0]) == generalises, compiled
+
+
+def test_python_numbers_reach_float32_and_int64_programs_exactly():
+    """Python floats and changing ints travel in the float64 scalar vector: on a TPU through its
+    float64 emulation. A float32 op must still see float32(value) (what torch computes with), and an
+    int64 op every int below 2**47 (the bound of ``_core._exact_ints`` there)."""
+    rng = np.random.default_rng(1)
+    # float32 normals (subnormals are another question, not yet measured on a TPU)
+    floats = (rng.standard_normal(300) * 10.0 ** rng.uniform(-30, 37, 300)).tolist() + [0.1, 1 / 3, -2.5e-38]
+    ints = [int(v) for v in rng.integers(-2**47 + 1, 2**47, 100)] + [2**47 - 1, -(2**47) + 1, 2**31 + 1]
+    with torch.tpu.eager_mode("strict"):
+        zero = torch.zeros(3, device="tpu")
+        got = torch.stack([zero + v for v in floats]).cpu()
+        want = torch.stack([torch.zeros(3) + v for v in floats])
+        assert torch.equal(got, want), (got - want).abs().max()
+        base = torch.tensor([0, 1, -1]).to("tpu")
+        got = torch.stack([base + v for v in ints]).cpu()
+        assert torch.equal(got, torch.stack([torch.tensor([0, 1, -1]) + v for v in ints]))

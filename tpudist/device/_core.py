@@ -36,6 +36,7 @@ from tpudist import matmul_precision as precision
 from tpudist.device import _layouts
 from tpudist.device import _runtime as rt
 from tpudist.device import views
+from tpudist.device import _storage
 from tpudist.device._storage import (  # noqa: F401  (re-exported: the kernels module uses them from here)
     _ATTR, X64, Buffer, Lazy, Shaped, _create_empty, _fast, _retype, buffer_of, concrete, flush, from_cpu, is_tpu,
     new_tensor, tensor_over, to_cpu, to_jax, to_torch, value_of, warn_if_emulated,
@@ -694,7 +695,8 @@ def _resolve(op, args, kwargs, static, key, leaves, buffers, scalars):
 # int CPU tensor, a view's storage offset) is compiled into the kernel. As Dynamo's automatic dynamic
 # does, the first value seen at a place (a "site": the signature with those ints left out) stays a
 # constant; when a second, different value arrives there, that int becomes a runtime input of the
-# kernel (in the float64 scalar vector, exact below 2**53) and every later value reuses the kernel.
+# kernel (in the float64 scalar vector: exact below 2**53, on a TPU below 2**47) and every later value
+# reuses the kernel.
 # An int that decides a shape (torch's meta kernel gives other result shapes for the two values) or
 # that a lowering needs as a Python value (JAX raises a concretization error while tracing) stays a
 # constant at that site. The first value keeps its constant kernel, so a second run (a second
@@ -708,6 +710,14 @@ _NEVER = object()  # a hinted site's "first value": no value stays a constant th
 _ELIGIBLE: dict = {}
 _RUNTIME_KINDS = ("F", "C", "D", "V")
 _EXACT = 2 ** 53  # float64 holds every int below this exactly
+# a TPU's float64 is a pair of float32 (docs/device.md, Limits): 48 bits of significand, and ints near
+# 2**53 measured up to 8 off after a copy to the chip; the bound keeps a margin below 2**48
+_EXACT_ON_TPU = 2 ** 47
+
+
+def _exact_ints() -> int:
+    """The ints the scalar vector carries exactly are those of magnitude below this."""
+    return _EXACT_ON_TPU if _storage._on_tpu() else _EXACT
 _MAX_GENERALISED = 1 << 16  # signatures remembered as generalised; beyond, each call is generalised anew
 _num_generalised = 0
 # parameters whose int value picks a different computation in the lowerings, not just a number in it:
@@ -784,13 +794,14 @@ def _site_of(op, key):
 def _generalise(key, scalars, positions):
     """(key, scalars) with the ints at ``positions`` as runtime inputs; None if one is too large."""
     sig, scalars = list(key[2]), list(scalars)
+    exact = _exact_ints()
     for i in sorted(positions):
         spec = sig[i]
         if spec[0] == "T":
             value, general = spec[4], ("V", *spec[1:4], len(scalars), spec[5])
         else:
             value, general = spec[1], ("D", len(scalars), spec[2] if spec[0] == "I" else None)
-        if not -_EXACT < value < _EXACT:
+        if not -exact < value < exact:
             return None
         scalars.append(value)
         sig[i] = general
