@@ -7,6 +7,8 @@
 # allows no TCP socket, so: no `pytest -n`; RankPool pools of one rank without a process group run
 # their functions in this process (TPUDIST_POOL_START=inprocess) and every test that needs several rank
 # processes is skipped with that reason. Tests that need a chip run here and skip elsewhere.
+# CHIP_SUITE_SHARD=i/n runs the i-th of n contiguous slices of the collected tests (tests/conftest.py's
+# TPUDIST_TEST_SHARD), so the suite can be covered a slice per command, each slice recorded by its name.
 # CHIP_SUITE_SECONDS (default 480) bounds this script's wall time, installing included: pytest's session
 # ends between two tests 30 s before it, and a test still running at the bound is interrupted (SIGINT),
 # so the summary, failures included, is printed inside a command's time limit either way.
@@ -19,6 +21,7 @@ source scripts/chip_env.sh --transformers || exit 1
 export TPUDIST_POOL_START=inprocess
 # tests/conftest.py: this process holds the chip; the Python processes tests start run JAX on the CPU
 export TPUDIST_CHIP_SUITE=1
+[ -n "${CHIP_SUITE_SHARD:-}" ] && export TPUDIST_TEST_SHARD="$CHIP_SUITE_SHARD"
 python3 -c "import jax; d = jax.devices()[0]; assert d.platform == 'tpu', d; print('chip:', d.device_kind)" || exit 1
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(tests/device tests/kernels tests/compile tests/ops)

@@ -70,3 +70,28 @@ def pool4():
     """Four "tpu" ranks shared by the tests of one module."""
     with RankPool(4) as pool:
         yield pool
+
+
+def shard_bounds(shard: str, count: int) -> tuple[int, int]:
+    """``TPUDIST_TEST_SHARD="i/n"``: the [start, end) of the i-th of n contiguous, near-equal slices of
+    ``count`` collected tests (contiguous, so a module's fixtures start once or twice, not per test)."""
+    try:
+        i, n = (int(part) for part in shard.split("/"))
+    except ValueError:
+        i = n = 0
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"TPUDIST_TEST_SHARD={shard!r} must be 'i/n' with 1 <= i <= n (e.g. '2/6': the "
+                                "second sixth of the collected tests, in collection order)")
+    return count * (i - 1) // n, count * i // n
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Runs only the shard ``TPUDIST_TEST_SHARD`` names of the collected tests (scripts/chip_suite.sh's
+    ``CHIP_SUITE_SHARD``: the chip runs the suite a slice per command)."""
+    shard = os.environ.get("TPUDIST_TEST_SHARD")
+    if not shard:
+        return
+    start, end = shard_bounds(shard, len(items))
+    config.hook.pytest_deselected(items=items[:start] + items[end:])
+    items[:] = items[start:end]
