@@ -713,11 +713,6 @@ _EXACT = 2 ** 53  # float64 holds every int below this exactly
 # a TPU's float64 is a pair of float32 (docs/device.md, Limits): 48 bits of significand, and ints near
 # 2**53 measured up to 8 off after a copy to the chip; the bound keeps a margin below 2**48
 _EXACT_ON_TPU = 2 ** 47
-
-
-def _exact_ints() -> int:
-    """The ints the scalar vector carries exactly are those of magnitude below this."""
-    return _EXACT_ON_TPU if _storage._on_tpu() else _EXACT
 _MAX_GENERALISED = 1 << 16  # signatures remembered as generalised; beyond, each call is generalised anew
 _num_generalised = 0
 # parameters whose int value picks a different computation in the lowerings, not just a number in it:
@@ -789,6 +784,11 @@ def _site_of(op, key):
                 masked[i] = ("T", slot, sizes, strides, None, dtype)
                 values.append((i, offset))
     return (key[0], treedef, tuple(masked), slots, static_floats), tuple(values)
+
+
+def _exact_ints() -> int:
+    """The ints the scalar vector carries exactly are those of magnitude below this."""
+    return _EXACT_ON_TPU if _storage._on_tpu() else _EXACT  # noqa: SLF001
 
 
 def _generalise(key, scalars, positions):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import warnings
 import weakref
 from pathlib import Path
 
@@ -142,6 +143,7 @@ _warned_float64 = [False]
 
 
 def _on_tpu() -> bool:
+    """Whether the device's arrays live on a TPU (tests patch this to check the TPU-only paths)."""
     return rt.device().platform == "tpu"
 
 
@@ -150,8 +152,6 @@ def warn_if_emulated(dtype: torch.dtype) -> None:
     if _warned_float64[0] or dtype not in EMULATED_ON_TPU or not _on_tpu():
         return
     _warned_float64[0] = True
-    import warnings
-
     warnings.warn(FLOAT64_ON_TPU, UserWarning, stacklevel=3)
 
 
