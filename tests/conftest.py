@@ -20,6 +20,7 @@ for _folder in _IMPORTED_BY_NAME:
 import pytest  # noqa: E402
 
 from tpudist.testing import RankPool  # noqa: E402
+from shards import shard_bounds  # noqa: E402  (tests/helpers)
 
 
 def pytest_configure(config):
@@ -70,19 +71,6 @@ def pool4():
     """Four "tpu" ranks shared by the tests of one module."""
     with RankPool(4) as pool:
         yield pool
-
-
-def shard_bounds(shard: str, count: int) -> tuple[int, int]:
-    """``TPUDIST_TEST_SHARD="i/n"``: the [start, end) of the i-th of n contiguous, near-equal slices of
-    ``count`` collected tests (contiguous, so a module's fixtures start once or twice, not per test)."""
-    try:
-        i, n = (int(part) for part in shard.split("/"))
-    except ValueError:
-        i = n = 0
-    if not 1 <= i <= n:
-        raise pytest.UsageError(f"TPUDIST_TEST_SHARD={shard!r} must be 'i/n' with 1 <= i <= n (e.g. '2/6': the "
-                                "second sixth of the collected tests, in collection order)")
-    return count * (i - 1) // n, count * i // n
 
 
 @pytest.hookimpl(trylast=True)

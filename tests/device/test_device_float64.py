@@ -83,8 +83,8 @@ def test_ints_enter_the_scalar_vector_only_where_they_stay_exact(monkeypatch, pl
     vector: exact below 2**53 on the CPU, but a TPU's float64 keeps about 48 bits (ints near 2**53
     measured up to 8 off), so there an int of 2**47 or more stays a constant (a kernel per value)."""
     monkeypatch.setattr(_storage, "_on_tpu", lambda: platform == "tpu")
-    n = {"cpu-2**50": 5, "tpu-2**50": 6, "tpu-2**46": 7}[f"{platform}-2**{base.bit_length() - 1}"]
-    x = torch.arange(n) * 3  # int64, a length no other test adds ints to
+    n = {"cpu-2**50": 29, "tpu-2**50": 31, "tpu-2**46": 37}[f"{platform}-2**{base.bit_length() - 1}"]
+    x = (torch.arange(3 * n) * 3).reshape(3, n)  # int64, shapes no other test adds ints to
     compiled = []
     with torch.tpu.eager_mode("strict"):
         dx = x.to("tpu")
@@ -95,8 +95,12 @@ def test_ints_enter_the_scalar_vector_only_where_they_stay_exact(monkeypatch, pl
             stats = torch.tpu.cache_stats()
             compiled.append(stats["programs"] + stats["kernels"] - before)
             assert torch.equal(got, x + (base + 7 * i))
-    assert compiled[0] > 0 and compiled[1] > 0  # the first value, then the second (generalised or not)
-    assert (compiled[2:] == [0, 0, 0]) == generalises, compiled
+    # generalised: the first value and the second compile at most (a site another test generalised
+    # compiles none); not: every value is a kernel of its own
+    if generalises:
+        assert compiled[2:] == [0, 0, 0], compiled
+    else:
+        assert all(c > 0 for c in compiled), compiled
 
 
 def test_python_numbers_reach_float32_and_int64_programs_exactly():

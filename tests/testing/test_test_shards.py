@@ -9,17 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from shards import shard_bounds  # tests/helpers
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = "tests/compile/test_compile_losses.py"
 
 
-def _shard_bounds():
-    return sys.modules["conftest"].shard_bounds  # tests/conftest.py, which pytest imported as "conftest"
-
-
 def test_shards_are_contiguous_near_equal_and_cover_everything():
-    shard_bounds = _shard_bounds()
     for count in (0, 1, 5, 63, 1835):
         for n in (1, 2, 3, 7, 40):
             bounds = [shard_bounds(f"{i}/{n}", count) for i in range(1, n + 1)]
@@ -32,7 +28,7 @@ def test_shards_are_contiguous_near_equal_and_cover_everything():
 @pytest.mark.parametrize("bad", ["3/2", "0/4", "two/6", "1"])
 def test_a_bad_shard_is_refused_with_the_rule(bad):
     with pytest.raises(pytest.UsageError, match=rf"TPUDIST_TEST_SHARD='{bad}' must be 'i/n' with 1 <= i <= n"):
-        _shard_bounds()(bad, 10)
+        shard_bounds(bad, 10)
 
 
 def test_pytest_runs_only_the_shard():
@@ -48,5 +44,5 @@ def test_pytest_runs_only_the_shard():
         return [line for line in done.stdout.splitlines() if "::" in line]
 
     everything, second = collect(None), collect("2/3")
-    start, end = _shard_bounds()("2/3", len(everything))
+    start, end = shard_bounds("2/3", len(everything))
     assert len(everything) > 10 and second == everything[start:end]
