@@ -123,7 +123,7 @@ def _nll_loss_backward(grad_output, x, target, weight, reduction: int, ignore_in
     kept = target != ignore_index
     along_classes = [-1 if d == channel_dim else 1 for d in range(x.dim())]  # a shape that broadcasts
     classes = torch.arange(x.shape[channel_dim], device=target.device).reshape(along_classes)
-    grad_input = torch.where(classes == torch.where(kept, target, 0), -1.0, 0.0).to(x.dtype)
+    grad_input = torch.where(classes == target, -1.0, 0.0).to(x.dtype)  # ignored rows are zeroed below
     if grad_input.dim() > grad_output.dim() > 0:
         grad_output = grad_output.unsqueeze(channel_dim)
     if weight is not None:

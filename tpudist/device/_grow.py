@@ -88,15 +88,19 @@ def capacity_of(t: torch.Tensor, d: int):
     return capacity
 
 
-def _kernel(key, build):
-    """The kernel cached under ``key``, built on a miss (counted as the device's other kernels are)."""
-    kernel = _KERNELS.get(key)
-    if kernel is None:
+def _cached(table, key, build):
+    """What ``table`` holds under ``key`` (a kernel, a plan), built on a miss and counted as the device's
+    other kernels are; None, and nothing kept, where ``build`` finds the op cannot run at the capacity."""
+    found = table.get(key)
+    if found is None:
+        found = build()
+        if found is None:
+            return None
         rt.stats["misses"] += 1
-        kernel = _KERNELS[key] = build()
+        table[key] = found
     else:
         rt.stats["hits"] += 1
-    return kernel
+    return found
 
 
 def _spec(t, slot):
@@ -197,7 +201,8 @@ def append_for(args, kwargs):
     if site not in _GREW:
         _GREW.add(site)
         rt.stats["growing_tensors"] += 1
-    kernel = _kernel(key, lambda: _GrowingAppend(slots, a_spec, a_capacity, b_spec, outer, capacity, inner, a.dtype))
+    kernel = _cached(_KERNELS, key,
+                     lambda: _GrowingAppend(slots, a_spec, a_capacity, b_spec, outer, capacity, inner, a.dtype))
     shape = list(a.shape)
     shape[d] = length
     strides = _capacity_strides(shape, d, capacity)
@@ -300,8 +305,8 @@ def attention_for(args, kwargs):
     scale = kwargs.get("scale")
     key = ("attention", tuple(slots), tuple(buf.value is None for buf in buffers), q_spec, kv_slots, mask_spec,
            bool(is_causal), scale)
-    kernel = _kernel(key, lambda: _PaddedAttention(slots, q_spec, kv_slots, mask_spec, k_capacity, bool(is_causal),
-                                                   scale, tuple(q.shape), q.dtype))
+    kernel = _cached(_KERNELS, key, lambda: _PaddedAttention(slots, q_spec, kv_slots, mask_spec, k_capacity,
+                                                             bool(is_causal), scale, tuple(q.shape), q.dtype))
     leaves = [q, k, v] if mask is None else [q, k, v, mask]
     return kernel, leaves, buffers, [k.shape[2]], None
 
@@ -464,20 +469,16 @@ def _padded_to_width_for(args, kwargs):
     leaves, treedef = flatten_args((x, list(at_capacity), value), {})
     specs = (_grown_spec(x, 0, d, capacity), *(("S", leaf) for leaf in leaves[1:]))
     slots = [(buf.numel, buf.dtype)]
-    key = ("padded_to_width", specs, tuple(slots), buf.value is None, capacity)
-    kernel = _PLANS.get(key)
-    if kernel is None:
-        out = list(x.shape)
-        out[d] = width
+    out = list(x.shape)
+    out[d] = width
+
+    def build():
         kernel = _PaddedOp(aten.constant_pad_nd.default, treedef, specs, slots, 1, capacity,
                            [(tuple(out), x.dtype)], ("single", None), fill=value)
-        if not _checks(kernel, slots, 1):
-            return None
-        rt.stats["misses"] += 1
-        _PLANS[key] = kernel
-    else:
-        rt.stats["hits"] += 1
-    return kernel, [x], [buf], [length], None
+        return kernel if _checks(kernel, slots, 1) else None
+
+    kernel = _cached(_KERNELS, ("padded_to_width", specs, tuple(slots), buf.value is None, capacity), build)
+    return None if kernel is None else (kernel, [x], [buf], [length], None)
 
 
 def _to_capacity(x, d, capacity):
@@ -577,15 +578,10 @@ def _plan(op, leaves, treedef, grown, length, capacity, exact_leaves=None):
             scalars.append(offset)
     slots = [(buf.numel, buf.dtype) for buf in buffers]
     key = ("padded", id(op), treedef, tuple(specs), tuple(slots), tuple(b.value is None for b in buffers), capacity)
-    plan = _PLANS.get(key)
+    plan = _cached(_PLANS, key, lambda: _build_plan(op, leaves, treedef, grown, length, capacity, specs, slots,
+                                                   len(scalars), exact_leaves))
     if plan is None:
-        plan = _build_plan(op, leaves, treedef, grown, length, capacity, specs, slots, len(scalars), exact_leaves)
-        if plan is None:
-            return None
-        rt.stats["misses"] += 1
-        _PLANS[key] = plan
-    else:
-        rt.stats["hits"] += 1
+        return None
     kernel, out_dims = plan
 
     def finish(result):
