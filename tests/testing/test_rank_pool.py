@@ -163,3 +163,13 @@ def test_an_in_process_pool_refuses_what_needs_rank_processes(options, monkeypat
     monkeypatch.setenv("TPUDIST_POOL_START", "inprocess")
     with pytest.raises(_pool.PoolUnsupported, match=r"needs rank processes.*world_size=1 with backend=None"):
         RankPool(**options).start()
+
+
+def test_an_in_process_pool_refuses_what_tpudist_reads_at_import(monkeypatch):
+    monkeypatch.setenv("TPUDIST_POOL_START", "inprocess")
+    monkeypatch.delenv("TPUDIST_CPP_FASTPATH", raising=False)
+    with pytest.raises(_pool.PoolUnsupported, match=r"process of its own.*reads TPUDIST_CPP_FASTPATH once"):
+        RankPool(1, backend=None, env={"TPUDIST_CPP_FASTPATH": "0"}).start()
+    monkeypatch.setenv("TPUDIST_CPP_FASTPATH", "0")  # the value this process was started with: nothing to apply
+    with RankPool(1, backend=None, env={"TPUDIST_CPP_FASTPATH": "0"}) as pool:
+        assert pool.started_by == "inprocess"

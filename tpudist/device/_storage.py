@@ -204,7 +204,8 @@ def value_of(t: torch.Tensor):
     flat = concrete(buf)
     want = tops.to_jax_dtype(t.dtype)
     if flat is None or 0 in sizes:
-        return jnp.zeros(sizes, want)
+        with jax.enable_x64(True):  # an int64 or complex128 value keeps its dtype
+            return jnp.zeros(sizes, want)
     # The offset is an argument of the reader, not part of its key: reading a view that moves along its
     # storage (a decode loop's ids[:, -1], a cache slot) reuses one program.
     # The device too: a reader from the program cache is an executable of this device, and a new

@@ -42,6 +42,10 @@ class RankError(RuntimeError):
         super().__init__(f"ranks {sorted(failures)} raised:\n{text}")
 
 
+# What tpudist reads once, when it is imported: an in-process pool cannot set these for its functions.
+_READ_AT_IMPORT = ("TPUDIST_CPP_FASTPATH", "TPUDIST_CPP_FASTPATH_DIR", "TPUDIST_CPP_HOOKS", "TPUDIST_CPP_HOOKS_DIR")
+
+
 class PoolUnsupported(RuntimeError):
     """This pool cannot start where ranks run in the calling process (``TPUDIST_POOL_START=inprocess``)."""
 
@@ -145,6 +149,12 @@ class RankPool:
         """Where one process holds the accelerator (a TPU VM's chip: a second process cannot open it, and its
         sandbox may allow no TCP socket), a pool of one rank without a process group runs its functions in
         the calling process; every other pool is refused."""
+        once = sorted(k for k in _READ_AT_IMPORT if k in self.env and self.env[k] != os.environ.get(k))
+        if once:
+            raise PoolUnsupported(
+                f"RankPool(env={{{', '.join(f'{k!r}: {self.env[k]!r}' for k in once)}}}) needs a process of its own: "
+                f"tpudist reads {', '.join(once)} once, when it is imported, so TPUDIST_POOL_START=inprocess cannot "
+                "apply it to the calling process; run this test where processes can start (unset TPUDIST_POOL_START)")
         if self.world_size != 1 or self.backend is not None:
             raise PoolUnsupported(
                 f"RankPool(world_size={self.world_size}, backend={self.backend!r}) needs rank processes, but "
