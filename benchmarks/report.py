@@ -443,6 +443,8 @@ def render_tpu(record: dict) -> list[str]:
     notes = []
     for name, mode in p["modes"].items():
         label = _TPU_MODES.get(name, name)
+        if mode.get("settings"):
+            label += " with " + ", ".join(f"`{k}={v}`" for k, v in mode["settings"].items())
         if mode.get("status") != "ok":
             notes.append(f"- {label}: {mode.get('status')}: {mode.get('why') or mode.get('error', '')}")
             continue

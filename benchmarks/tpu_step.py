@@ -522,7 +522,8 @@ def _run(a, argv, started, t_start, log) -> None:
     for mode in a.modes:
         elapsed = time.perf_counter() - t_start
         expected = EXPECTED_FIRST_STEPS_S[mode]
-        log(f"\n[{mode}] at {elapsed:.0f} s")
+        settings = device_settings() if mode != "twin" else {}
+        log(f"\n[{mode}] at {elapsed:.0f} s" + "".join(f"; {k}={v}" for k, v in settings.items()))
         if elapsed + expected > a.deadline_s:
             why = (f"its first steps (~{expected:.0f} s on the chip) would end after --deadline-s {a.deadline_s:.0f} "
                    f"(now {elapsed:.0f} s); run it alone with --modes {mode}")
@@ -538,7 +539,7 @@ def _run(a, argv, started, t_start, log) -> None:
                 continue
         mode_start = time.perf_counter()
         runner = None
-        entry = results["modes"][mode] = {"status": "running"}
+        entry = results["modes"][mode] = {"status": "running", "settings": settings}
         try:
             runner = (make_twin(base, args, batches, hp) if mode == "twin"
                       else make_torch(mode, base, args, batches, hp))
@@ -564,6 +565,12 @@ def _run(a, argv, started, t_start, log) -> None:
     _write(a.json, _record(a, argv, started, t_start, log, results, done=True))
     if a.json:
         log(f"wrote {a.json}")
+
+
+def device_settings() -> dict:
+    """The TPUDIST_* variables of this run that change what the device does (Fused chunks, eager mode
+    switches), recorded with each torch mode: a mode's numbers mean those settings."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("TPUDIST_") and k != "TPUDIST_CACHE_DIR"}
 
 
 _SHAPE_KEYS = ("dim", "layers", "heads", "kv_heads", "vocab", "seq", "batch", "dtype")
@@ -608,6 +615,9 @@ def _summary(results: dict, log: Log) -> None:
             f"{m['median_step_s'] * 1e3:10.1f} {m['tokens_per_s']:10,.0f} {m['model_tflops']:8.1f} "
             f"{m['mfu'] * 100:5.1f}% {busy} {progs} "
             f"{m['step1']['loss']:9.5f}")
+    for name, m in ok.items():
+        if m.get("settings"):
+            log(f"  {name} ran with " + ", ".join(f"{k}={v}" for k, v in m["settings"].items()))
     if "twin" in ok and len(ok) > 1:
         ref = ok["twin"]["step1"]["loss"]
         diffs = {k: abs(v["step1"]["loss"] - ref) / abs(ref) for k, v in ok.items() if k != "twin"}

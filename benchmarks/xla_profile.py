@@ -54,6 +54,22 @@ def categorize(short: str, opcode: str, shapes: list, seq: int, hlo_category: st
     return "other"
 
 
+_WHAT_STATS = ("tf_op", "source", "source_info", "op_name")  # stats a profile may name an op's source by
+
+
+def what_of(long_name: str, stats: dict) -> str:
+    """What made an op, where the profile says: a stat that names its source (JAX's op name stack, e.g.
+    ``jit(step)/transpose(jvp(embedding))/scatter-add``), else the ``op_name`` of the metadata in its
+    HLO text; "" where neither is there. Op names like ``fusion.80`` are per program, so this is what
+    tells two programs' ops of one name apart, and a fusion's origin."""
+    for key in _WHAT_STATS:
+        value = stats.get(key)
+        if value:
+            return str(value)
+    match = re.search(r'op_name="([^"]*)"', long_name)
+    return match.group(1) if match else ""
+
+
 def _stats(event) -> dict:
     try:
         return dict(event.stats)
@@ -117,7 +133,8 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
     else:
         out["device"] = None
     per_op: dict = defaultdict(lambda: {"count": 0, "ns": 0.0, "flops": 0.0, "category": "", "opcode": "",
-                                        "shape": ""})
+                                        "shape": "", "what": ""})
+    stat_keys: set = set()
     categories = dict.fromkeys(CATEGORIES, 0.0)
     flops_by_category = dict.fromkeys(CATEGORIES, 0.0)
     for name, dur, stats in ops:
@@ -125,7 +142,10 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
         long_name = name if " = " in name else str(stats.get("long_name", name))
         short, opcode, shapes = parse_op(long_name if " = " in long_name else name)
         category = categorize(short, opcode, shapes, seq, str(stats.get("hlo_category", "")))
-        row = per_op[short]
+        stat_keys.update(stats)
+        what = what_of(long_name, stats)
+        row = per_op[(short, what)]  # one name in two programs is two ops where their sources differ
+        row["what"] = what
         row["count"] += 1
         row["ns"] += dur
         row["category"], row["opcode"] = category, opcode
@@ -144,10 +164,12 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
         out["matmul_tflops_from_trace"] = flops_by_category["matmul"] / matmul_ns / 1e3
     ranked = sorted(per_op.items(), key=lambda kv: -kv[1]["ns"])
 
+    out["op_stat_keys"] = sorted(stat_keys)  # what this profile's op events carry (a new backend's may differ)
+
     def rows(items):
-        return [{"name": n, "category": r["category"], "opcode": r["opcode"], "shape": r["shape"],
+        return [{"name": short, "what": r["what"], "category": r["category"], "opcode": r["opcode"], "shape": r["shape"],
                  "runs_per_step": r["count"] / num_steps, "s_per_step": r["ns"] / 1e9 / num_steps,
-                 "share": r["ns"] / total if total else 0.0} for n, r in items[:top]]
+                 "share": r["ns"] / total if total else 0.0} for (short, _), r in items[:top]]
 
     out["top_ops"] = rows(ranked)
     # where the layout changes go: a program's edges, reshapes of flat storages, transposes XLA kept
@@ -229,4 +251,5 @@ def format_summary(summary: dict, wall_s: float, model_flops: float) -> list[str
 
 def _op_line(op: dict) -> str:
     return (f"      {op['s_per_step'] * 1e3:8.2f} ms {op['share'] * 100:5.1f}% x{op['runs_per_step']:<5.1f} "
-            f"{op['category']:<16} {op['opcode'] or '-':<12} {op['shape']:<22} {op['name'][:60]}")
+            f"{op['category']:<16} {op['opcode'] or '-':<12} {op['shape']:<22} {op['name'][:60]}"
+            + (f"  <- {op['what'][-90:]}" if op.get("what") else ""))

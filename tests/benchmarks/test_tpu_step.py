@@ -111,6 +111,13 @@ def test_op_names_parse_and_categorize(name, short, opcode, shapes, category):
     assert xla_profile.categorize(short, opcode, shapes, seq=1024) == category
 
 
+def test_what_made_an_op_comes_from_its_stats_or_its_metadata():
+    text = '%fusion.80 = bf16[4000,8,8,128]{3,2,1,0} fusion(%p), metadata={op_name="jit(step)/scatter-add" source_line=3}'
+    assert xla_profile.what_of(text, {}) == "jit(step)/scatter-add"
+    assert xla_profile.what_of(text, {"tf_op": "jit(step)/embedding"}) == "jit(step)/embedding"
+    assert xla_profile.what_of("%fusion.80 = bf16[8]{0} fusion(%p)", {"hlo_category": "x"}) == ""
+
+
 def test_busy_time_is_the_union_of_program_runs():
     assert xla_profile._union_ns([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17  # noqa: SLF001
     assert xla_profile._union_ns([]) == 0  # noqa: SLF001
@@ -134,8 +141,9 @@ def test_tiny_cpu_run_writes_the_report_fields(tmp_path):
     out = tmp_path / "tpu_step.json"
     cmd = [sys.executable, os.path.join(BENCHMARKS, "tpu_step.py"), "--tiny", "--layers", "1", "--seq", "32",
            "--modes", "twin,fused", "--steps", "2", "--json", str(out)]
+    # Fused in chunks of its backward's graph: step 1 (AdamW's state made) is cut where step 2 is
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "TPUDIST_FUSED_BACKWARD_CHUNK": "20"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["name"] == "tpu_step" and record["complete"] and record["exit_code"] == 0
@@ -153,6 +161,9 @@ def test_tiny_cpu_run_writes_the_report_fields(tmp_path):
     # Fused builds its step's program in step 1 only (issue #37 item 4): step 2 builds none, counted
     assert parsed["modes"]["fused"]["step1"]["compiles"]["device_programs"] >= 1
     assert parsed["modes"]["fused"]["step2"]["compiles"]["device_programs"] == 0
+    assert parsed["modes"]["fused"]["step1"]["compiles"]["device_syncs"] > 2  # the chunks ran: more programs
+    assert parsed["modes"]["fused"]["settings"]["TPUDIST_FUSED_BACKWARD_CHUNK"] == "20"
+    assert parsed["modes"]["twin"]["settings"] == {}
     # same weights, same batch: the same first loss (bf16 rounding apart)
     assert parsed["first_loss_rel_diff_vs_twin"]["fused"] < 1e-2
     assert {t["key"] for t in parsed["targets"]} == {k for k, *_ in tpu_step.TARGETS}
@@ -161,7 +172,8 @@ def test_tiny_cpu_run_writes_the_report_fields(tmp_path):
     import report  # benchmarks/report.py renders the record as RESULTS.md's TPU section
 
     page = "\n".join(report.render_tpu(record))
-    assert page.startswith("## On the chip: cpu") and "| JAX twin |" in page and "| Fused |" in page
+    assert page.startswith("## On the chip: cpu") and "| JAX twin |" in page
+    assert "| Fused with " in page and "`TPUDIST_FUSED_BACKWARD_CHUNK=20`" in page
     assert "compiled tokens/s / twin tokens/s | - | >= 0.9 | n/a" in page  # no compiled run here
 
 

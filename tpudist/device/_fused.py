@@ -67,6 +67,9 @@ class Graph:
         # under autograd, or a graph begun in a backward pass (the backward, then the optimizer step)
         self.chunk = (forward_chunk() if self.forward and torch.is_grad_enabled()
                       else backward_chunk() if in_backward else 0)
+        # the ops a chunk counts: not those whose results read no array (an optimizer's first-step state,
+        # which _hoist splits off), so step 1 is cut at the ops step 2 is and its chunks' programs are step 2's
+        self.counted = 0
 
 
 _graph: Graph | None = None
@@ -157,8 +160,10 @@ def record(kernel, leaves, buffers, scalars):
     g.num_values = index + len(outputs)
     if len(nodes) >= g.cap:
         flush()
-    elif g.chunk and len(nodes) >= g.chunk:
-        flush(shaped=True)
+    elif g.chunk and not _hoist.array_free(kernel, len(scalars)):
+        g.counted += 1
+        if g.counted >= g.chunk:
+            flush(shaped=True)
     return fresh[0] if kernel.single_result else result_of(kernel, leaves, fresh)
 
 
@@ -336,8 +341,10 @@ class _SplitProgram:
     def __call__(self, inputs, sc):
         s, t = self.split, self.template
         if self.main is None:
-            self.inits = [_cached(t, (node,), [], range(node[0].num_written + len(node[0].outputs)), sc[at])
-                          for node, at in zip(s.init_nodes, s.init_scalars)]
+            # in their own shape where the main program's results are: then the main program reads them as
+            # the next step's reads the storages this step's program wrote, and is that program
+            self.inits = [_cached(t, (node,), [], range(node[0].num_written + len(node[0].outputs)), sc[at],
+                                  self.shaped) for node, at in zip(s.init_nodes, s.init_scalars)]
         made = [v for program, at in zip(self.inits, s.init_scalars) for v in program([], sc[at])]
         args = s.main_args(inputs, made)
         main_sc = sc[s.main_scalars]

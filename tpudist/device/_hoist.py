@@ -67,7 +67,7 @@ def split(nodes: list, live: list, num_scalars: int) -> Split | None:
     bases = [base for _, _, base in nodes] + [num_scalars]
     producer, overwrote = _values(nodes)
     hoisted = sorted({producer[v] for v in _origins(live, overwrote)
-                      if _array_free(nodes[producer[v]][0], bases[producer[v] + 1] - bases[producer[v]])})
+                      if array_free(nodes[producer[v]][0], bases[producer[v] + 1] - bases[producer[v]])})
     if not hoisted:
         return None
     init_nodes = tuple((nodes[i][0], (None,) * len(nodes[i][1]), 0) for i in hoisted)  # each reads no array
@@ -152,7 +152,7 @@ def held_before(nodes: list, live: list) -> list:
     return [r if r is not None and r < 0 else None for r in (_start(v, overwrote) for v in live)]
 
 
-def _array_free(kernel, num_scalars: int) -> bool:
+def array_free(kernel, num_scalars: int) -> bool:
     """Whether none of ``kernel``'s results reads an array (they may read its scalars)."""
     key = (kernel, num_scalars)
     free = _ARRAY_FREE.get(key)
