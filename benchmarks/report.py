@@ -481,7 +481,8 @@ def render_tpu(record: dict) -> list[str]:
         if mode.get("status") != "ok" or not prof.get("categories"):
             continue
         cats = ", ".join(f"{k} {v['share'] * 100:.0f}%" for k, v in prof["categories"].items() if v["share"] >= 0.005)
-        top = "; ".join(f"{o['category']} {o['shape'] or o['name'][:30]} {o['s_per_step'] * 1e3:.1f} ms"
+        top = "; ".join(f"{o['category']} {o['shape'] or o['name'][:30]}"
+                        + (f" (`{o['what'][-60:]}`)" if o.get("what") else "") + f" {o['s_per_step'] * 1e3:.1f} ms"
                         for o in prof["top_ops"][:3])
         rows.append(f"- {_TPU_MODES.get(name, name)}: op time {prof['ops_s_per_step'] * 1e3:.1f} ms/step ({cats}); "
                     f"largest: {top}.")

@@ -144,7 +144,9 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
         category = categorize(short, opcode, shapes, seq, str(stats.get("hlo_category", "")))
         stat_keys.update(stats)
         what = what_of(long_name, stats)
-        row = per_op[(short, what)]  # one name in two programs is two ops where their sources differ
+        # one name in two programs is two ops: told apart by their program where the profile names it, else
+        # by their sources
+        row = per_op[(short, what, stats.get("hlo_module") or stats.get("program_id") or "")]
         row["what"] = what
         row["count"] += 1
         row["ns"] += dur
@@ -169,7 +171,7 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
     def rows(items):
         return [{"name": short, "what": r["what"], "category": r["category"], "opcode": r["opcode"], "shape": r["shape"],
                  "runs_per_step": r["count"] / num_steps, "s_per_step": r["ns"] / 1e9 / num_steps,
-                 "share": r["ns"] / total if total else 0.0} for (short, _), r in items[:top]]
+                 "share": r["ns"] / total if total else 0.0} for (short, *_), r in items[:top]]
 
     out["top_ops"] = rows(ranked)
     # where the layout changes go: a program's edges, reshapes of flat storages, transposes XLA kept

@@ -175,6 +175,9 @@ def test_tiny_cpu_run_writes_the_report_fields(tmp_path):
     assert page.startswith("## On the chip: cpu") and "| JAX twin |" in page
     assert "| Fused with " in page and "`TPUDIST_FUSED_BACKWARD_CHUNK=20`" in page
     assert "compiled tokens/s / twin tokens/s | - | >= 0.9 | n/a" in page  # no compiled run here
+    # a chip's profile names what made an op (XLA:CPU's does not): the page shows it with the op
+    record["parsed"]["modes"]["fused"]["profile"]["top_ops"][0]["what"] = "jit(step)/scatter-add"
+    assert "(`jit(step)/scatter-add`)" in "\n".join(report.render_tpu(record))
 
 
 def test_add_to_keeps_the_earlier_runs_other_modes(tmp_path):
