@@ -350,13 +350,16 @@ def run_mutations(mode):
     import tpudist.device  # noqa: F401
 
     out = []
+    # the ops that fell back to the CPU here: the counts are the process's (a worker's earlier tests, or
+    # every earlier test where the suite runs in one process on a chip)
+    before = dict(torch.tpu.cache_stats()["cpu_fallback_ops"])
     with torch.tpu.eager_mode(mode):
         for case in _mutation_cases():
             ref = case(lambda t: t.clone())
             got = _host(case(lambda t: t.to("tpu")))
             out.append((case.__name__, ref, got))
-        fallback = torch.tpu.cache_stats()["cpu_fallback_ops"]
-    return out, fallback
+        after = torch.tpu.cache_stats()["cpu_fallback_ops"]
+    return out, {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)}
 
 
 def _optimizers():

@@ -357,6 +357,26 @@ def test_unsupported_op_names_the_op_and_the_fix():
     assert "@tpudist.ops.lowers(torch.ops.aten.special_airy_ai.default)" in str(err.value)
 
 
+def test_a_lowering_registered_while_recording_stays():
+    """Recorder wraps every lowering while active and unwraps them on exit; a lowering registered meanwhile
+    stays registered (the compile backend registers prims.fma once a process, when it first runs: the
+    recorder's exit dropped it, and every later fma in the process failed)."""
+    from tpudist.ops import registry
+
+    op = aten.hardswish_backward.default
+    mine, add = lowering_for(op), lowering_for(aten.add.Tensor)
+    del registry._TABLE[op]  # noqa: SLF001
+    try:
+        with Recorder() as rec:
+            ops.lowers(op)(mine)
+            assert lowering_for(aten.add.Tensor) is not add  # wrapped: it records
+            call(aten.add.Tensor, jnp.ones(2), jnp.ones(2))
+        assert lowering_for(op) is mine and lowering_for(aten.add.Tensor) is add
+        assert aten.add.Tensor in rec.seen
+    finally:
+        ops.lowers(op)(mine)
+
+
 def test_unsupported_op_inside_a_decomposition_names_the_callers_op():
     # hardswish_backward has a lowering; without it, call decomposes it and reaches where, which we hide
     # too (with its own decomposition's prims.where)

@@ -168,12 +168,14 @@ class Recorder:
 
     def __init__(self):
         self.seen: set = set()
-        self._saved = None
+        self._wrapped: dict = {}  # id(recording wrapper) -> (wrapper, the lowering it wraps)
 
     def __enter__(self):
-        self._saved = dict(registry._TABLE)  # noqa: SLF001
-        for op, fn in self._saved.items():
-            registry._TABLE[op] = self._recording(op, fn)  # noqa: SLF001
+        self._wrapped = {}
+        for op, fn in list(registry._TABLE.items()):  # noqa: SLF001
+            wrapper = self._recording(op, fn)
+            self._wrapped[id(wrapper)] = (wrapper, fn)
+            registry._TABLE[op] = wrapper  # noqa: SLF001
         return self
 
     def _recording(self, op, fn):
@@ -183,8 +185,13 @@ class Recorder:
         return lowering
 
     def __exit__(self, *exc):
-        registry._TABLE.clear()  # noqa: SLF001
-        registry._TABLE.update(self._saved)  # noqa: SLF001
+        """Every wrapper back to its lowering, wherever it is now; a lowering registered while recording (the
+        compile backend's Dynamo prims join the table when it first runs, once a process) stays."""
+        for op, fn in list(registry._TABLE.items()):  # noqa: SLF001
+            entry = self._wrapped.get(id(fn))
+            if entry is not None and entry[0] is fn:
+                registry._TABLE[op] = entry[1]  # noqa: SLF001
+        self._wrapped = {}
 
 
 @contextlib.contextmanager
