@@ -26,11 +26,15 @@ def _data(n: int = 3):
     return [(torch.randn(6, 12, generator=g), torch.randint(0, 5, (6,), generator=g)) for _ in range(n)]
 
 
-def _train(model, device: str):
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _train(model, device: str, optimizer=_sgd, steps: int = 3):
     """Per step: the loss, the fused stats it moved, and the parameters after it (on the CPU)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    steps = []
-    for x, y in _data():
+    opt = optimizer(model.parameters())
+    results = []
+    for x, y in _data(steps):
         before = torch.tpu.cache_stats()
         loss = F.cross_entropy(model(x.to(device)), y.to(device))
         loss.backward()
@@ -39,9 +43,9 @@ def _train(model, device: str):
         value = loss.item()
         after = torch.tpu.cache_stats()
         moved = {k: after.get(k, 0) - before.get(k, 0)
-                 for k in ("backward_splits", "shaped_reads", "shaped_flattened", "syncs")}
-        steps.append((value, moved, [p.detach().cpu().clone() for p in model.parameters()]))
-    return steps
+                 for k in ("backward_splits", "shaped_reads", "shaped_flattened", "syncs", "programs")}
+        results.append((value, moved, [p.detach().cpu().clone() for p in model.parameters()]))
+    return results
 
 
 @pytest.mark.parametrize("mode", ["fused"], indirect=True)
@@ -131,24 +135,15 @@ def test_adamw_in_chunks_compiles_nothing_after_step_1(mode, monkeypatch, chunks
     reads it in; step 2's chunks are then step 1's programs (on a TPU v5e step 2 compiled one for 25 s)."""
     for part, ops in chunks.items():
         monkeypatch.setenv(f"TPUDIST_FUSED_{part}_CHUNK", ops)
-    results = {}
-    for device in ("cpu", "tpu"):
-        torch.manual_seed(0)
-        model = _mlp(40).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        built = []
-        for x, y in _data(4):
-            before = torch.tpu.cache_stats()["programs"]
-            loss = F.cross_entropy(model(x.to(device)), y.to(device))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            loss.item()
-            built.append(torch.tpu.cache_stats()["programs"] - before)
-        results[device] = built, [p.detach().cpu() for p in model.parameters()]
-    built, params = results["tpu"]
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=0.01)
+
+    ref = _train(_mlp(40), "cpu", adamw, steps=4)
+    got = _train(_mlp(40).to("tpu"), "tpu", adamw, steps=4)
+    built = [moved["programs"] for _, moved, _ in got]
     assert built[0] > 0 and built[1:] == [0, 0, 0], built
-    for r, g in zip(results["cpu"][1], params):
+    for r, g in zip(ref[-1][2], got[-1][2]):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 

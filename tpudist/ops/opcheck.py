@@ -168,13 +168,13 @@ class Recorder:
 
     def __init__(self):
         self.seen: set = set()
-        self._wrapped: dict = {}  # id(recording wrapper) -> (wrapper, the lowering it wraps)
+        self._wrapped: dict = {}  # recording wrapper -> the lowering it wraps
 
     def __enter__(self):
         self._wrapped = {}
         for op, fn in list(registry._TABLE.items()):  # noqa: SLF001
             wrapper = self._recording(op, fn)
-            self._wrapped[id(wrapper)] = (wrapper, fn)
+            self._wrapped[wrapper] = fn
             registry._TABLE[op] = wrapper  # noqa: SLF001
         return self
 
@@ -188,9 +188,7 @@ class Recorder:
         """Every wrapper back to its lowering, wherever it is now; a lowering registered while recording (the
         compile backend's Dynamo prims join the table when it first runs, once a process) stays."""
         for op, fn in list(registry._TABLE.items()):  # noqa: SLF001
-            entry = self._wrapped.get(id(fn))
-            if entry is not None and entry[0] is fn:
-                registry._TABLE[op] = entry[1]  # noqa: SLF001
+            registry._TABLE[op] = self._wrapped.get(fn, fn)  # noqa: SLF001
         self._wrapped = {}
 
 
