@@ -54,6 +54,7 @@ import argparse
 import copy
 import datetime as dt
 import gc
+import glob
 import json
 import os
 import shutil
@@ -116,6 +117,9 @@ def _args(argv=None):
                    help="a mode that has run this long stops its timed steps (after one) and skips its profile")
     p.add_argument("--cache", choices=("fresh", "keep"), default="fresh",
                    help="fresh: an empty TPUDIST_CACHE_DIR for this run (cold compiles); keep: the usual caches")
+    p.add_argument("--keep-traces", metavar="DIR",
+                   help="copy each mode's profile (JAX's trace files) to DIR/<mode>, to read every op later "
+                        "with benchmarks/xla_profile.py")
     p.add_argument("--json", metavar="OUT", help="write the results here (rewritten after every mode)")
     p.add_argument("--add-to", metavar="EARLIER.json",
                    help="keep the modes of this earlier --json that this run does not run (e.g. --modes strict "
@@ -363,13 +367,13 @@ def measure(mode: str, runner: Runner, a, flops: float, counter: CompileCounter,
         log(f"  profile skipped: the mode ran past --mode-budget-s {a.mode_budget_s:.0f}")
         return
     try:
-        res["profile"] = profile(runner, a, num_batches, log, med, flops)
+        res["profile"] = profile(mode, runner, a, num_batches, log, med, flops)
     except Exception as e:  # noqa: BLE001 - the timings above stand without the profile
         log(f"  profile failed: {type(e).__name__}: {str(e)[:1000]}")
         res["profile"] = {"error": f"{type(e).__name__}: {str(e)[:4000]}", "traceback": traceback.format_exc()[-4000:]}
 
 
-def profile(runner: Runner, a, num_batches: int, log: Log, median_s: float, flops: float) -> dict:
+def profile(mode: str, runner: Runner, a, num_batches: int, log: Log, median_s: float, flops: float) -> dict:
     """``--profile-steps`` steps under JAX's profiler (no Python tracer: it would slow the host side of
     the eager modes), summarized by ``xla_profile``."""
     import jax
@@ -396,6 +400,10 @@ def profile(runner: Runner, a, num_batches: int, log: Log, median_s: float, flop
             f"busy and gap against the median step):")
         for line in xla_profile.format_summary(summary, median_s, flops):
             log(line)
+        if a.keep_traces:  # the trace files alone, one folder deep (JAX nests them four deep)
+            os.makedirs(os.path.join(a.keep_traces, mode), exist_ok=True)
+            for path in glob.glob(f"{folder}/**/*.xplane.pb", recursive=True):
+                shutil.copy(path, os.path.join(a.keep_traces, mode))
         return summary
     finally:
         shutil.rmtree(folder, ignore_errors=True)

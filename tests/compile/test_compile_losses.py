@@ -1,7 +1,8 @@
 """Compiled classification losses against CPU eager, and the graphs the backend compiles for them.
 
-The backend's table replaces two of torch's decompositions (``tpudist/compile/decompositions.py``):
-``nll_loss_backward`` compares class indices with the targets instead of scattering -1 into zeros, and
+The backend's table replaces three of torch's decompositions (``tpudist/compile/decompositions.py``):
+``nll_loss_backward`` compares class indices with the targets instead of scattering -1 into zeros,
+``nll_loss_forward`` sums the input where the class is the target instead of gathering it, and
 ``_log_softmax`` is decomposed so that AOTAutograd's partitioner can save the bfloat16 logits and the row
 statistics instead of the float32 log-probabilities. Values and gradients must stay torch's.
 """
@@ -72,6 +73,10 @@ def test_cross_entropy_values_and_gradients_equal_eager(shape, reduction, weight
     torch.testing.assert_close(got_x.grad, eager_x.grad, rtol=1e-6, atol=1e-7)
     backward = {str(n.target) for n in graphs["backward"]}
     assert not any("scatter" in op for op in backward), sorted(backward)
+    # no gather from the log-probabilities: it would read them materialized (label smoothing's gathers
+    # of the class weights, a graph input, stay)
+    gathers = [n for n in graphs["forward"] if "gather" in str(n.target) and n.args[0].op != "placeholder"]
+    assert not [n for n in gathers if tuple(n.args[0].meta["val"].shape) == x_shape], gathers
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
