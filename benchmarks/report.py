@@ -423,6 +423,12 @@ _TPU_MODES = {"twin": "JAX twin", "compiled": "compiled", "fused": "Fused", "hf"
               "strict": "Strict"}
 
 
+def _tpu_modes(parsed: dict) -> list:
+    """(name, result) of each mode in the benchmark's order, those kept from an earlier run among them."""
+    order = list(_TPU_MODES)
+    return sorted(parsed["modes"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+
+
 def render_tpu(record: dict) -> list[str]:
     """The section of ``tpu_step.json``, written on the chip by ``benchmarks/tpu_step.py --json``."""
     p, m = record["parsed"], record["machine"]
@@ -441,7 +447,7 @@ def render_tpu(record: dict) -> list[str]:
            "| mode | step 1 s | step 2 s | XLA compiles step 1 / 2 / timed | median step ms | tokens/s | TFLOP/s "
            "| MFU | device busy ms/step | programs/step | step-1 loss |", "|---" * 11 + "|"]
     notes = []
-    for name, mode in p["modes"].items():
+    for name, mode in _tpu_modes(p):
         label = _TPU_MODES.get(name, name)
         if mode.get("settings"):
             label += " with " + ", ".join(f"`{k}={v}`" for k, v in mode["settings"].items())
@@ -476,7 +482,7 @@ def render_tpu(record: dict) -> list[str]:
             out.append(f"| {t['what']} | {value} | {t['op']} {t['bar']} | {t['status']} |")
         out.append("")
     rows = []
-    for name, mode in p["modes"].items():
+    for name, mode in _tpu_modes(p):
         prof = mode.get("profile") or {}
         if mode.get("status") != "ok" or not prof.get("categories"):
             continue

@@ -455,7 +455,8 @@ def _record(a, argv, started: str, t_start: float, log: Log, results: dict, done
         machine.update(platform=device.platform, device_kind=device.device_kind)
     except Exception as e:  # noqa: BLE001 - the record is still written, saying why
         machine.update(platform=None, device_kind=f"unknown ({type(e).__name__}: {e})")
-    return {"name": "tpu_step", "command": "python benchmarks/tpu_step.py " + " ".join(argv),
+    env = "".join(f"{k}={v} " for k, v in device_settings().items())  # the command as it was typed
+    return {"name": "tpu_step", "command": env + "python benchmarks/tpu_step.py " + " ".join(argv),
             "started_utc": started, "seconds": round(time.perf_counter() - t_start, 1),
             "exit_code": 0 if done else None,
             "complete": done, "load_average_after": load, "machine": machine, "parsed": results,
