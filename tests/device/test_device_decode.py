@@ -40,7 +40,10 @@ def _cached_steps(device, length: int, steps: int, width: int):
         before = _compiled() if device == "tpu" else 0
         cache[:, pos:pos + 1] = torch.full((2, 1, width), float(pos + 1), device=device)
         seen = cache.masked_fill(~positions.le(pos)[None, :, None], 0).sum(1) + pos  # int Scalar, int wrapped
-        slot = cache[:, pos].sum() * pos + torch.tensor(pos)  # a view at a moving offset; a 0-dim CPU int
+        # a view at a moving offset; a wrapped int and a 0-dim CPU int on 0-d tensors. Their sites (0-d
+        # float32 times an int) are every test's: the first value seen at a site stays a constant kernel,
+        # so ints another test of the process used (y * 3) would pick it at that step. Hence 1000 + pos.
+        slot = cache[:, pos].sum() * (1000 + pos) + torch.tensor(1000 + pos)
         outs.append((seen.cpu(), slot.cpu()))
         compiled.append(_compiled() - before if device == "tpu" else 0)
     return outs, cache.cpu(), compiled
