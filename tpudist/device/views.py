@@ -5,8 +5,10 @@ flat ``jax.Array``. ``read`` turns a view into its value; ``write`` puts a value
 view covers and returns the new flat storage. A non-overlapping strided view (slices, transposes,
 narrows, selects: every view torch's view ops produce except ``unfold``-like overlaps) is walked dim
 by dim, outermost stride first: reshape the covered span to ``(size, stride)`` rows, keep the first
-column(s), recurse. Everything is static, so XLA sees slices, reshapes and dynamic_update_slice
-with constant offsets (an index scatter would cost ~1 ms per write on XLA:CPU; FACTS.md).
+column(s), recurse; a view whose offset lies inside its innermost rows (``x[..., 32:]``) starts at those
+rows and takes its columns from there (``column``). Everything is static, so XLA sees slices, reshapes
+and dynamic_update_slice with constant offsets (an index scatter would cost ~1 ms per write on
+XLA:CPU; FACTS.md).
 """
 
 from __future__ import annotations
@@ -70,7 +72,31 @@ def phase(sizes, strides, offset) -> int:
     return offset if steps and 0 < offset < min(steps) <= MAX_PHASES else 0
 
 
-def _rows_read(block, sizes, strides, phase=0):
+def column(sub_sizes, sub_strides, offset) -> int:
+    """Where a view's innermost run starts inside its storage's innermost rows, when its offset lies there.
+
+    ``x[..., 32:]`` of a (..., 64) tensor has offset 32: its elements are columns 32-63 of the rows of 64.
+    The row walk starting at ``offset`` reads (and writes back) a span shifted by 32 elements, a copy of the
+    whole storage in a flat array's layout (on a TPU a relayout; on the v5e HF Llama's rotary halves cost
+    about 0.5 ms per 16 MiB write so). Started at ``offset - c`` instead, the rows are the storage's own and
+    the innermost level slices columns ``c`` onward. ``c`` is ``offset`` modulo the row length (the
+    second-innermost stride) where the rest of the view fits beside it at every level; 0 otherwise (and for
+    phases, ``phase``, which the innermost pick takes)."""
+    if len(sub_sizes) < 2:
+        return 0
+    c = offset % sub_strides[-2]
+    if not c or phase(sub_sizes, sub_strides, offset):
+        return 0
+    inner_span = 1
+    for n, s in zip(reversed(sub_sizes), reversed(sub_strides)):
+        if inner_span > 1 and c + inner_span > s:  # levels outside the innermost: the shifted rows fit
+            return 0
+        inner_span += (n - 1) * s
+    # the innermost run itself, from column c, inside its row (no padding of the row)
+    return c if c + sub_sizes[-1] * sub_strides[-1] <= sub_strides[-2] else 0
+
+
+def _rows_read(block, sizes, strides, phase=0, col=0):
     """block: (*lead, L); returns (*lead, *sizes) picking the strided elements of each row, each the
     ``phase``-th of its innermost step."""
     if not sizes:
@@ -78,27 +104,30 @@ def _rows_read(block, sizes, strides, phase=0):
     size, stride = sizes[0], strides[0]
     lead = block.shape[:-1]
     need = size * stride
-    if block.shape[-1] < need:
-        block = jnp.pad(block, [(0, 0)] * len(lead) + [(0, need - block.shape[-1])])
-    sub = block[..., :need].reshape(*lead, size, stride)
-    return _rows_read(sub, sizes[1:], strides[1:], phase)
+    start = col if len(sizes) == 1 else 0  # the innermost run starts at its column (column())
+    if block.shape[-1] < start + need:
+        block = jnp.pad(block, [(0, 0)] * len(lead) + [(0, start + need - block.shape[-1])])
+    sub = block[..., start:start + need].reshape(*lead, size, stride)
+    return _rows_read(sub, sizes[1:], strides[1:], phase, col)
 
 
-def _rows_write(block, value, sizes, strides):
-    """Writes value (*lead, *sizes) into the strided elements of block's rows (*lead, L)."""
+def _rows_write(block, value, sizes, strides, col=0):
+    """Writes value (*lead, *sizes) into the strided elements of block's rows (*lead, L), the innermost run
+    from column ``col`` (column())."""
     lead = block.shape[:-1]
     zeros = (0,) * block.ndim
     if not sizes:
         return lax.dynamic_update_slice(block, value[..., None].astype(block.dtype), zeros)
     size, stride = sizes[0], strides[0]
     need = size * stride
+    start = col if len(sizes) == 1 else 0
     length = block.shape[-1]
-    if length < need:
-        block = jnp.pad(block, [(0, 0)] * len(lead) + [(0, need - length)])
-    sub = block[..., :need].reshape(*lead, size, stride)
-    sub = _rows_write(sub, value, sizes[1:], strides[1:])
-    block = lax.dynamic_update_slice(block, sub.reshape(*lead, need), zeros)
-    return block[..., :length] if length < need else block
+    if length < start + need:
+        block = jnp.pad(block, [(0, 0)] * len(lead) + [(0, start + need - length)])
+    sub = block[..., start:start + need].reshape(*lead, size, stride)
+    sub = _rows_write(sub, value, sizes[1:], strides[1:], col)
+    block = lax.dynamic_update_slice(block, sub.reshape(*lead, need), (*zeros[:-1], start))
+    return block[..., :length] if length < start + need else block
 
 
 def read(flat, sizes, strides, offset):
@@ -126,8 +155,9 @@ def read(flat, sizes, strides, offset):
         # 0 and the innermost pick takes the phase, static slices of the storage's own rows where a
         # span from the offset was a shifted copy of the whole storage (padded at its end)
         picked = phase(sizes, strides, offset)
-        block = _span(flat, offset - picked, first).reshape(sub_sizes[0], sub_strides[0])
-        value = _rows_read(block, sub_sizes[1:], sub_strides[1:], picked)
+        col = column(sub_sizes, sub_strides, offset)
+        block = _span(flat, offset - picked - col, first).reshape(sub_sizes[0], sub_strides[0])
+        value = _rows_read(block, sub_sizes[1:], sub_strides[1:], picked, col)
         # value has shape (sub_sizes...); put the dims back in the view's order
         order = [dims.index(d) for d in sorted(dims)]
         value = jnp.transpose(value, order) if order != sorted(order) else value
@@ -176,10 +206,13 @@ def write(flat, value, sizes, strides, offset):
     sub_strides = [strides[d] for d in dims]
     first = sub_sizes[0] * sub_strides[0]
     n = flat.shape[0]
+    col = column(sub_sizes, sub_strides, offset)
+    offset -= col  # the rows start there; the innermost run from column col
     block = _span(flat, offset, first).reshape(sub_sizes[0], sub_strides[0])
-    block = _rows_write(block, value, sub_sizes[1:], sub_strides[1:]).reshape(-1)
+    block = _rows_write(block, value, sub_sizes[1:], sub_strides[1:], col).reshape(-1)
     keep = min(first, n - offset)
-    return lax.dynamic_update_slice(flat, block[:keep], (offset,))
+    block = block[:keep] if keep < first else block
+    return block if offset == 0 and keep == n else lax.dynamic_update_slice(flat, block, (offset,))
 
 
 # -- views of another dtype over the same bytes (view(dtype), view_as_real, view_as_complex, real, imag) --
