@@ -86,6 +86,36 @@ def test_an_int_that_decides_a_shape_stays_a_constant(mode):
     assert torch.tpu.cache_stats()["dynamic_ints_refused"] > refused
 
 
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_the_halves_of_rotate_half_stay_constants(mode):
+    """Hugging Face Llama's rotate_half reads x[..., 32:] and x[..., :32], and its backward writes each half
+    into zeros through one site (copy_ into a view): offsets 0 and 32 there. A column among a few of its row
+    (views.few_columns) stays a constant, as a phase does: as a runtime input its write was a dynamic slice
+    and update of the whole flat storage. Gradients equal CPU's."""
+    dynamic_before = torch.tpu.cache_stats().get("dynamic_ints", 0)
+    g = torch.Generator().manual_seed(0)
+    width = 2 * WIDTH[mode] * 8  # a head dim of its own per mode (kernels are shared by the modes)
+    compiled = []
+    for _ in range(3):
+        x_cpu, c = torch.randn(2, 3, 5, width, generator=g), torch.randn(5, width, generator=g)
+        grads = []
+        for device in ("cpu", "tpu"):
+            x = x_cpu.to(device).detach().requires_grad_()
+            before = _compiled() if device == "tpu" else 0
+            (x * c.to(device) + _rotate_half(x) * c.to(device)).sum().backward()
+            grads.append(x.grad.cpu())
+            if device == "tpu":
+                compiled.append(_compiled() - before)
+        torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    assert torch.tpu.cache_stats().get("dynamic_ints", 0) == dynamic_before
+    assert compiled[1:] == [0, 0], compiled
+
+
 @pytest.mark.parametrize("batch", (1, 2))
 @pytest.mark.parametrize("mode", MODES, indirect=True)
 def test_growing_token_ids_compile_per_capacity_not_per_token(mode, batch):

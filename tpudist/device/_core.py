@@ -777,10 +777,11 @@ def _site_of(op, key):
                 values.append((i, spec[1]))
         elif kind == "T":
             _, slot, sizes, strides, offset, dtype = spec
-            # a phase (RoPE's odd elements, views.phase) stays a constant: as a runtime input it made the
-            # read a dynamic slice of the whole flat storage, where a constant is a static strided pick
+            # a phase (RoPE's odd elements, views.phase) or a column among a few (rotate_half's halves,
+            # views.few_columns) stays a constant: as a runtime input it made the read a dynamic slice of
+            # the whole flat storage, where a constant is a static strided pick
             if (dtype == slots[slot][1] and all(sizes) and min(strides, default=0) >= 0
-                    and not views.phase(sizes, strides, offset)):
+                    and not views.phase(sizes, strides, offset) and not views.few_columns(sizes, strides, offset)):
                 masked[i] = ("T", slot, sizes, strides, None, dtype)
                 values.append((i, offset))
     return (key[0], treedef, tuple(masked), slots, static_floats), tuple(values)

@@ -96,6 +96,19 @@ def column(sub_sizes, sub_strides, offset) -> int:
     return c if c + sub_sizes[-1] * sub_strides[-1] <= sub_strides[-2] else 0
 
 
+def few_columns(sizes, strides, offset) -> bool:
+    """Whether a view's offset is a column (``column``) picking one of at most ``MAX_PHASES`` runs of its
+    row: a half of a head dim (``rotate_half``), not a position (a cache's slot ``t`` among many). As a
+    phase does, it stays a constant where the offset changes (tpudist.device._core): static, its rows are
+    read in place; as a runtime input, the read is a dynamic slice of the whole flat storage."""
+    dims = _plan(sizes, strides)
+    if not dims or len(dims) < 2:
+        return False
+    sub_sizes, sub_strides = [sizes[d] for d in dims], [strides[d] for d in dims]
+    run = sub_sizes[-1] * sub_strides[-1]
+    return bool(column(sub_sizes, sub_strides, offset)) and sub_strides[-2] <= MAX_PHASES * run
+
+
 def _rows_read(block, sizes, strides, phase=0, col=0):
     """block: (*lead, L); returns (*lead, *sizes) picking the strided elements of each row, each the
     ``phase``-th of its innermost step."""
