@@ -5,16 +5,18 @@
 Hugging Face Llama's ``rotate_half`` slices the head dim in halves (``x[..., :32]``, ``x[..., 32:]``);
 the backward of each slice is ``slice_backward``: zeros, then the gradient written into that half
 (``copy_`` into a view). The device lowers such a write through ``tpudist.device.views.write`` on the
-flat storage: a prefix of the last dim is a ``dynamic_update_slice`` into the N-d block, a nonzero
-offset (the upper half) a shifted span of the whole flat storage written back at that offset. On the
-TPU v5e the HF model's Fused step (2026-12-06, 8 x 16 x 1024 x 64 bf16) spent about 15 ms of 137 in
-``dynamic-update-slice`` ops of those shapes, about 0.5 ms each for 16 MiB.
+flat storage. On the TPU v5e the HF model's Fused step (2026-12-06, 8 x 16 x 1024 x 64 bf16) spent
+about 15 ms of 137 in ``dynamic-update-slice`` ops of those shapes, about 0.5 ms each for 16 MiB: then
+the upper half's offset was a runtime input (the two writes share a site) and a nonzero offset a span of
+the whole storage shifted by it. Since then both halves are constants written in their rows
+(``views.column``, ``views.few_columns``), as an N-d ``dynamic_update_slice``; this probe says whether
+``concatenate`` or ``pad`` would be faster on the chip.
 
 Each variant computes ``grad = g + slice_backward(u_hi, [..., :half]) + slice_backward(u_lo, [..., half:])``
 (the rotate_half backward's sum), jitted, timed as the median of ``--runs`` calls after a warm-up,
 and checked equal to the first:
 
-- ``views.write``: the device's lowering as it is (flat storages, ``views.write``, reshape);
+- ``views.write``: the device's lowering (flat storages, ``views.write``, reshape);
 - ``dynamic_update_slice``: each half written into N-d zeros at its start index;
 - ``concatenate``: the two halves concatenated along the last dim;
 - ``pad``: each half zero-padded to the full width (``lax.pad``), then added.
