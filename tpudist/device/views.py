@@ -77,8 +77,9 @@ def column(sub_sizes, sub_strides, offset) -> int:
 
     ``x[..., 32:]`` of a (..., 64) tensor has offset 32: its elements are columns 32-63 of the rows of 64.
     The row walk starting at ``offset`` reads (and writes back) a span shifted by 32 elements, a copy of the
-    whole storage in a flat array's layout (on a TPU a relayout; on the v5e HF Llama's rotary halves cost
-    about 0.5 ms per 16 MiB write so). Started at ``offset - c`` instead, the rows are the storage's own and
+    whole storage in a flat array's layout (on a TPU a relayout; the v5e's profile of HF Llama's Fused step
+    showed the rotary halves' updates at about 0.5 ms per 16 MiB). Started at ``offset - c`` instead, the rows
+    are the storage's own and
     the innermost level slices columns ``c`` onward. ``c`` is ``offset`` modulo the row length (the
     second-innermost stride) where the rest of the view fits beside it at every level; 0 otherwise (and for
     phases, ``phase``, which the innermost pick takes)."""
