@@ -79,10 +79,9 @@ def column(sub_sizes, sub_strides, offset) -> int:
     The row walk starting at ``offset`` reads (and writes back) a span shifted by 32 elements, a copy of the
     whole storage in a flat array's layout (on a TPU a relayout; the v5e's profile of HF Llama's Fused step
     showed the rotary halves' updates at about 0.5 ms per 16 MiB). Started at ``offset - c`` instead, the rows
-    are the storage's own and
-    the innermost level slices columns ``c`` onward. ``c`` is ``offset`` modulo the row length (the
-    second-innermost stride) where the rest of the view fits beside it at every level; 0 otherwise (and for
-    phases, ``phase``, which the innermost pick takes)."""
+    are the storage's own and the innermost level slices columns ``c`` onward. ``c`` is ``offset`` modulo the
+    row length (the second-innermost stride) where the rest of the view fits beside it at every level; 0
+    otherwise (and for phases, ``phase``, which the innermost pick takes)."""
     if len(sub_sizes) < 2:
         return 0
     c = offset % sub_strides[-2]
