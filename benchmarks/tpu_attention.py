@@ -39,9 +39,14 @@ from tpudist.kernels import flash_attention as fa  # noqa: E402
 from tpudist.kernels.tpu_blocks import pallas_interpret_unless_tpu  # noqa: E402
 
 
+def _repeated(k, v, heads):
+    """k and v repeated to ``heads`` heads (grouped-query attention as the non-grouped kernels take it)."""
+    group = heads // k.shape[1]
+    return jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+
+
 def xla_attention(q, k, v, causal: bool):
-    group = q.shape[1] // k.shape[1]
-    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+    k, v = _repeated(k, v, q.shape[1])
     s = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) / math.sqrt(q.shape[-1])
     if causal:
         s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
@@ -50,11 +55,6 @@ def xla_attention(q, k, v, causal: bool):
 
 def kernel_attention(q, k, v, causal: bool, blocks=(None, None)):
     return fa.flash_attention(q, k, v, causal=causal, block_q=blocks[0], block_k=blocks[1])
-
-
-def _repeated(k, v, heads):
-    group = heads // k.shape[1]
-    return jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
 
 
 def jax_flash_attention(q, k, v, causal: bool):

@@ -87,9 +87,9 @@ def column(sub_sizes, sub_strides, offset) -> int:
     c = offset % sub_strides[-2]
     if not c or phase(sub_sizes, sub_strides, offset):
         return 0
-    inner_span = 1
-    for n, s in zip(reversed(sub_sizes), reversed(sub_strides)):
-        if inner_span > 1 and c + inner_span > s:  # levels outside the innermost: the shifted rows fit
+    inner_span = 1 + (sub_sizes[-1] - 1) * sub_strides[-1]
+    for n, s in zip(reversed(sub_sizes[:-1]), reversed(sub_strides[:-1])):  # the levels outside the innermost
+        if c + inner_span > s:  # the rows shifted by c do not fit in this level's
             return 0
         inner_span += (n - 1) * s
     # the innermost run itself, from column c, inside its row (no padding of the row)
