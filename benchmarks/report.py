@@ -445,7 +445,7 @@ def render_tpu(record: dict) -> list[str]:
            f"FLOPs/step {p['flops_per_step'] / 1e12:.2f} T = `{p['flops_formula']}`; MFU against "
            f"{p['peak_flops'] / 1e12:.0f} TFLOP/s.", "",
            "| mode | step 1 s | step 2 s | XLA compiles step 1 / 2 / timed | median step ms | tokens/s | TFLOP/s "
-           "| MFU | device busy ms/step | programs/step | step-1 loss |", "|---" * 11 + "|"]
+           "| MFU | unsynced step ms (MFU) | device busy ms/step | programs/step | step-1 loss |", "|---" * 12 + "|"]
     notes = []
     for name, mode in _tpu_modes(p):
         label = _TPU_MODES.get(name, name)
@@ -459,9 +459,11 @@ def render_tpu(record: dict) -> list[str]:
             + f" / {mode['steady_compiles']['xla_compiles']}"
         busy = f"{dev['busy_s_per_step'] * 1e3:.1f}" if dev else "-"
         progs = f"{dev['programs_per_step']:.1f}" if dev else "-"
+        un = mode.get("unsynced")
+        unsynced = f"{un['step_s'] * 1e3:.1f} ({un['mfu'] * 100:.1f}%)" if un else "-"
         out.append(f"| {label} | {mode['step1']['s']:.1f} | {mode['step2']['s']:.1f} | {compiles} | "
                    f"{mode['median_step_s'] * 1e3:.1f} | {mode['tokens_per_s']:,.0f} | {mode['model_tflops']:.1f} | "
-                   f"{mode['mfu'] * 100:.1f}% | {busy} | {progs} | {mode['step1']['loss']:.5f} |")
+                   f"{mode['mfu'] * 100:.1f}% | {unsynced} | {busy} | {progs} | {mode['step1']['loss']:.5f} |")
     out += [""] + notes + ([""] if notes else [])
     added = p.get("added_from") or {}
     if added.get("modes"):

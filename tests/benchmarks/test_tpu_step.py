@@ -140,7 +140,7 @@ def test_timeline_places_programs_and_idle_time_within_the_step():
 def test_tiny_cpu_run_writes_the_report_fields(tmp_path):
     out = tmp_path / "tpu_step.json"
     cmd = [sys.executable, os.path.join(BENCHMARKS, "tpu_step.py"), "--tiny", "--layers", "1", "--seq", "32",
-           "--modes", "twin,fused", "--steps", "2", "--json", str(out)]
+           "--modes", "twin,fused", "--steps", "2", "--unsynced-steps", "2", "--json", str(out)]
     # Fused in chunks of its backward's graph: step 1 (AdamW's state made) is cut where step 2 is
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "TPUDIST_FUSED_BACKWARD_CHUNK": "20"})
@@ -154,6 +154,10 @@ def test_tiny_cpu_run_writes_the_report_fields(tmp_path):
         assert len(mode["step_s"]) == 2 and mode["median_step_s"] > 0 and mode["tokens_per_s"] > 0
         assert mode["step1"]["compiles"]["xla_compiles"] >= 1  # cold cache: the first step compiles
         assert mode["steady_compiles"]["xla_compiles"] == 0
+        # steps read once at the end run the synced steps' programs: nothing compiles
+        assert mode["unsynced"]["steps"] == 2 and mode["unsynced"]["step_s"] > 0
+        assert mode["unsynced"]["compiles"]["xla_compiles"] == 0, mode["unsynced"]["compiles"]
+        assert mode["unsynced"]["compiles"].get("device_programs", 0) == 0, mode["unsynced"]["compiles"]
         assert mode["profile"]["device"] is None and mode["profile"]["source"].startswith("host thunks")
         assert mode["profile"]["top_ops"]
         copies = mode["profile"]["top_copies"]  # listed apart: where layout changes go
