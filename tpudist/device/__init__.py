@@ -66,6 +66,10 @@ def _install() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(_after_optimizer_step)
+    from tpudist.device import _blocks
+
+    if _blocks.enabled():  # read once, here: the hooks must see the model's first forward
+        _blocks.install()
     from tpudist.device import _opaque
 
     _opaque.hide_from_dynamo()  # last: every device module is loaded by now

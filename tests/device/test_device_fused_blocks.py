@@ -1,0 +1,116 @@
+"""``TPUDIST_FUSED_BLOCKS=1``: Fused programs cut at a model's repeated blocks (docs/device.md, Eager modes).
+
+A block's forward and its backward are each a program of their own, the same program for every layer:
+a model's first step compiles as many programs whatever its depth. Against CPU eager (losses and
+parameters through AdamW steps), for the recipe's Transformer and Hugging Face's Llama. Sizes of their
+own per test: the process's programs are shared by every test of the folder.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpudist.device  # noqa: F401  (installs the "tpu" device)
+from tpudist.device import _blocks
+from tpudist.training.model import ModelArgs, Transformer
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    monkeypatch.setenv("TPUDIST_FUSED_BLOCKS", "1")
+    _blocks.install()  # import installs them where the variable is set before it
+    yield
+
+
+def _recipe(dim: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Transformer(ModelArgs(vocab_size=64, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, max_seq_len=16))
+
+
+def _hf(dim: int, layers: int) -> torch.nn.Module:
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import tpu_step
+
+    args = ModelArgs(vocab_size=64, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    torch.manual_seed(0)
+    return tpu_step.hf_from_recipe(Transformer(args), args)
+
+
+def _logits(out):
+    return getattr(out, "logits", out)
+
+
+def _train(model, device: str, steps: int = 3):
+    """Per step: the loss and the programs and syncs it took; then the parameters (on the CPU)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    results = []
+    for _ in range(steps):
+        x, y = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
+        before = torch.tpu.cache_stats()
+        loss = F.cross_entropy(_logits(model(x.to(device))).flatten(0, 1), y.to(device).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        value = loss.item()
+        after = torch.tpu.cache_stats()
+        results.append((value, after["programs"] - before["programs"], after["syncs"] - before["syncs"]))
+    return results, [p.detach().cpu() for p in model.parameters()]
+
+
+def _check_equal(ref, got):
+    (r_steps, r_params), (g_steps, g_params) = ref, got
+    for (r_loss, _, _), (loss, _, _) in zip(r_steps, g_steps):
+        assert abs(loss - r_loss) <= 1e-5 * abs(r_loss), (loss, r_loss)
+    for r, g in zip(r_params, g_params):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["fused"], indirect=True)
+@pytest.mark.parametrize("make,dim,extra", [(_recipe, 24, 4), (_hf, 56, 5)], ids=["recipe", "hf"])
+def test_a_deeper_model_compiles_no_more_programs(mode, blocks, make, dim, extra):
+    """Two programs a step per layer (its forward, its backward) and a few more, yet the deeper model,
+    of another width (its programs its own), builds no more programs in step 1, and none after: its
+    layers run one program. (Programs made from a shape alone, AdamW's 0-d step, are shared.)"""
+    built = []
+    for layers, width in ((2, dim), (5, dim + 8)):
+        ref = _train(make(width, layers), "cpu")
+        got = _train(make(width, layers).to("tpu"), "tpu")
+        _check_equal(ref, got)
+        steps = got[0]
+        assert [s[1] for s in steps[1:]] == [0, 0], steps  # step 2 on runs step 1's programs
+        assert all(s[2] == 2 * layers + extra for s in steps), (layers, steps)
+        built.append(steps[0][1])
+    assert built[1] <= built[0], built
+
+
+@pytest.mark.parametrize("mode", ["fused"], indirect=True)
+def test_blocks_with_chunks_and_without_grad(mode, blocks, monkeypatch):
+    """Op-count chunks start counting again at each block's cut: every layer is cut alike, so step 2
+    compiles nothing; a forward under no_grad is not cut."""
+    monkeypatch.setenv("TPUDIST_FUSED_FORWARD_CHUNK", "7")
+    monkeypatch.setenv("TPUDIST_FUSED_BACKWARD_CHUNK", "11")
+    ref = _train(_recipe(40, 3), "cpu")
+    model = _recipe(40, 3).to("tpu")
+    got = _train(model, "tpu")
+    _check_equal(ref, got)
+    assert [s[1] for s in got[0][1:]] == [0, 0], got[0]
+    assert got[0][0][2] > 2 * 3 + 4, got[0]  # more cuts than the blocks alone make
+    syncs = torch.tpu.cache_stats()["syncs"]
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        out = model(x.to("tpu")).sum().item()
+    assert torch.tpu.cache_stats()["syncs"] == syncs + 1
+    assert out == pytest.approx(model.cpu()(x).sum().item(), rel=1e-5)
+
+
+def test_bad_value_raises(monkeypatch):
+    monkeypatch.setenv("TPUDIST_FUSED_BLOCKS", "yes")
+    with pytest.raises(ValueError, match="TPUDIST_FUSED_BLOCKS='yes' must be '1'"):
+        _blocks.enabled()

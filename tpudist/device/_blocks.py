@@ -1,0 +1,115 @@
+"""Fused mode cut at a model's repeated blocks (``TPUDIST_FUSED_BLOCKS=1``).
+
+A transformer's layers are one module class repeated in an ``nn.ModuleList``: their ops are the same,
+their programs would be too, if each layer were a program of its own. Cut at a numbers of ops (the
+chunks of ``_fused``), or not at all, a step's programs start and end mid-layer and every one differs,
+so a first step compiles the whole model's worth of XLA. Cut at the blocks, the first step compiles one
+block's forward and one block's backward and runs them once per layer: the rest of the model (embedding,
+head, loss, optimizer) adds a few programs of its own.
+
+The cuts, each running the pending graph (as a chunk does, values crossing in their own shape):
+- forward, under autograd: where a block's ``forward`` starts and where it returns (module hooks);
+- backward: where the gradient of a block's output is ready (its backward starts) and where that of
+  its input is (tensor hooks, registered as the forward passes): the gradient is whole only once every
+  use has added its part, so a block's backward is its own graph.
+
+Blocks are the children of an ``nn.ModuleList`` (or ``nn.Sequential``) that holds two or more modules
+of one class, in a module whose ``forward`` runs (they are found as it starts, once per module). The
+hooks are global (``torch.nn.modules.module``): every module call pays a dict lookup, and a cut only
+happens in Fused mode with a graph pending. A forward under ``no_grad`` is not cut.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+
+_ENV = "TPUDIST_FUSED_BLOCKS"
+_seen: weakref.WeakSet = weakref.WeakSet()     # modules whose children were looked at
+_blocks: weakref.WeakSet = weakref.WeakSet()   # modules that are blocks
+_handles: list = []
+_compiling = torch.compiler.is_compiling
+
+
+def enabled() -> bool:
+    value = os.environ.get(_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{_ENV}={value!r} must be '1' (Fused programs cut at a model's repeated blocks) or "
+                         "'0' (not, the default)")
+    return value == "1"
+
+
+def install() -> None:
+    """Registers the global module hooks (once); they cut only while ``TPUDIST_FUSED_BLOCKS=1``."""
+    if _handles:
+        return
+    from torch.nn.modules import module
+
+    _handles.append(module.register_module_forward_pre_hook(_pre))
+    _handles.append(module.register_module_forward_hook(_post))
+
+
+def uninstall() -> None:
+    while _handles:
+        _handles.pop().remove()
+
+
+def _mark(module: torch.nn.Module) -> None:
+    _seen.add(module)
+    for child in module.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
+            by_class: dict = {}
+            for m in child:
+                by_class.setdefault(type(m), []).append(m)
+            for members in by_class.values():
+                if len(members) > 1:
+                    _blocks.update(members)
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
+def _cut(_grad=None) -> None:
+    """Runs the pending Fused graph, its values left in their own shape (a chunk's cut)."""
+    from tpudist.device import _fused
+    from tpudist.device import _runtime as rt
+
+    if _fused._graph is not None and rt.get_mode() == "fused":  # noqa: SLF001
+        _fused.flush(shaped=True)
+
+
+def _hook_grad(value) -> None:
+    t = _first_tensor(value)
+    if t is not None and t.requires_grad and t.device.type == "tpu":
+        t.register_hook(_cut)
+
+
+def _active() -> bool:
+    from tpudist.device import _runtime as rt
+
+    return torch.is_grad_enabled() and rt.get_mode() == "fused" and enabled()
+
+
+def _pre(module, args):
+    if _compiling():  # a compiled graph has no Fused graph to cut
+        return
+    if module not in _seen:
+        _mark(module)
+    if module in _blocks and _active():
+        _cut()
+        _hook_grad(args)  # its gradient is whole: this block's backward is done
+
+
+def _post(module, args, output):
+    if not _compiling() and module in _blocks and _active():
+        _cut()
+        _hook_grad(output)  # its gradient is ready: this block's backward starts
