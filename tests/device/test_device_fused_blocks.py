@@ -114,3 +114,18 @@ def test_bad_value_raises(monkeypatch):
     monkeypatch.setenv("TPUDIST_FUSED_BLOCKS", "yes")
     with pytest.raises(ValueError, match="TPUDIST_FUSED_BLOCKS='yes' must be '1'"):
         _blocks.enabled()
+
+
+def test_which_modules_are_blocks():
+    """Two or more alike modules with submodules in a ModuleList or Sequential: a transformer's layers;
+    not a Sequential's Linear layers (a program of one op each), nor layers of other shapes."""
+    model = _recipe(16, 3)
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    mixed = torch.nn.ModuleList([mlp, torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                                          torch.nn.Linear(8, 4))])
+    holder = torch.nn.Module()
+    holder.mixed = mixed
+    for m in (model, mlp, holder):
+        _blocks._mark(m)  # noqa: SLF001 - as the forward pre-hook does for a module's first call
+    assert all(layer in _blocks._blocks for layer in model.layers)  # noqa: SLF001
+    assert not any(m in _blocks._blocks for m in (*mlp, *mixed, model.output))  # noqa: SLF001

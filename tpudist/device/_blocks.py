@@ -14,7 +14,9 @@ The cuts, each running the pending graph (as a chunk does, values crossing in th
   use has added its part, so a block's backward is its own graph.
 
 Blocks are the children of an ``nn.ModuleList`` (or ``nn.Sequential``) that holds two or more modules
-of one class, in a module whose ``forward`` runs (they are found as it starts, once per module). The
+of one class with submodules and parameters of the same names, shapes and dtypes, in a module whose
+``forward`` runs (they are found as it starts, once per module): a transformer's layers, not the
+``Linear`` layers of an MLP. The
 hooks are global (``torch.nn.modules.module``): every module call pays a dict lookup, and a cut only
 happens in Fused mode with a graph pending. A forward under ``no_grad`` is not cut.
 """
@@ -56,14 +58,24 @@ def uninstall() -> None:
         _handles.pop().remove()
 
 
+def _signature(module: torch.nn.Module):
+    """What makes two modules one block: their class and their parameters' names, shapes and dtypes;
+    None for a module without children (a lone Linear is no block: its program would be one op)."""
+    if next(module.children(), None) is None:
+        return None
+    return type(module), tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters())
+
+
 def _mark(module: torch.nn.Module) -> None:
     _seen.add(module)
     for child in module.children():
         if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
-            by_class: dict = {}
+            alike: dict = {}
             for m in child:
-                by_class.setdefault(type(m), []).append(m)
-            for members in by_class.values():
+                signature = _signature(m)
+                if signature is not None:
+                    alike.setdefault(signature, []).append(m)
+            for members in alike.values():
                 if len(members) > 1:
                     _blocks.update(members)
 
