@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tpudist.device  # noqa: F401  (installs the "tpu" device)
-from tpudist.device import _attention, buckets
+from tpudist.device import _attention, _grow, buckets
 
 try:
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -283,6 +283,32 @@ def test_variable_length_batches_stay_contiguous_like_cpu(mode):
         for (c_cpu, v_cpu), (c_tpu, v_tpu) in zip(got["cpu"], got["tpu"]):
             assert c_tpu == c_cpu, n
             torch.testing.assert_close(v_tpu, v_cpu)
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_garbage_of_a_finished_generation_grows_no_arange(mode):
+    """A grown tensor left in a reference cycle (a finished generation's cache, not yet collected) is no
+    decoding in progress: a training-style arange(n) whose n changes stays exact and contiguous, as on
+    CPU. Before, the mask made from it became a strided view of a capacity and ``.view(-1)`` raised."""
+    import gc
+
+    ids = torch.tensor([[5, 1, 4]], device="tpu")
+    for step in range(4):  # a flat append seen at a second length grows into a capacity
+        ids = torch.cat([ids, torch.full((1, 1), step, device="tpu")], dim=-1)
+    assert ids in _grow.CAPACITY or _grow.buffer_of(ids) in _grow.CAPACITY, "the appends grew nothing"
+    cycle = [ids]
+    cycle.append(cycle)
+    del ids, cycle
+    gc.disable()  # the cycle stays until a collection: none may run by chance before the aranges
+    try:
+        for n in (6, 8, 10):
+            lengths = torch.tensor([n, n - 2], device="tpu")
+            mask = torch.arange(n, device="tpu")[None, :] < lengths[:, None]
+            want = torch.arange(n)[None, :] < torch.tensor([n, n - 2])[:, None]
+            assert mask.is_contiguous(), (n, mask.stride())
+            assert torch.equal(mask.view(-1).cpu(), want.view(-1))
+    finally:
+        gc.enable()
 
 
 # (pad, value) of a grown (1, n) mask: to a fixed width past and within the capacity (8, 16, 24, 32 here)

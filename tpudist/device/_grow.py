@@ -27,6 +27,7 @@ length: correct, not bounded) and is counted in ``cache_stats()["grown_exact_ops
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
 import os
@@ -357,6 +358,7 @@ _PADDED_OPS = (aten._to_copy.default, aten.clone.default, aten.index.Tensor, ate
                aten.sum.default, aten.sum.dim_IntList, aten.arange.default)
 _MASKS_ITS_INPUTS = (aten.sum.default, aten.sum.dim_IntList)  # reduce over the grown dim: padding reads 0
 _ARANGE_FIRST: dict = {}  # (dtype, layout) -> the first end ``torch.arange(end)`` saw
+_ARANGE_GROWN: set = set()  # the sites of those that grew
 _PLANS: dict = {}  # kernel key -> (kernel, which outputs are grown along which dim)
 
 
@@ -539,6 +541,13 @@ def _arange_for(op, leaves, treedef):
     site = (treedef, tuple(leaves[1:]), _caller())
     if _ARANGE_FIRST.setdefault(site, end) == end:
         return None
+    if site not in _ARANGE_GROWN:
+        # the first growth here: grown buffers may be garbage of a finished generation (a cycle not yet
+        # collected), which must not grow a training step's arange; one collection per site tells
+        gc.collect()
+        if not CAPACITY:
+            return None
+        _ARANGE_GROWN.add(site)
     capacity = buckets.growth().capacity_for(end)
     return _plan(op, [capacity, *leaves[1:]], treedef, {}, end, capacity, exact_leaves=leaves)
 
