@@ -1,7 +1,7 @@
 """Fused mode cut at a model's repeated blocks (``TPUDIST_FUSED_BLOCKS=1``).
 
 A transformer's layers are one module class repeated in an ``nn.ModuleList``: their ops are the same,
-their programs would be too, if each layer were a program of its own. Cut at a numbers of ops (the
+their programs would be too, if each layer were a program of its own. Cut at counts of ops (the
 chunks of ``_fused``), or not at all, a step's programs start and end mid-layer and every one differs,
 so a first step compiles the whole model's worth of XLA. Cut at the blocks, the first step compiles one
 block's forward and one block's backward and runs them once per layer: the rest of the model (embedding,
@@ -16,9 +16,9 @@ The cuts, each running the pending graph (as a chunk does, values crossing in th
 Blocks are the children of an ``nn.ModuleList`` (or ``nn.Sequential``) that holds two or more modules
 of one class with submodules and parameters of the same names, shapes and dtypes, in a module whose
 ``forward`` runs (they are found as it starts, once per module): a transformer's layers, not the
-``Linear`` layers of an MLP. The
-hooks are global (``torch.nn.modules.module``): every module call pays a dict lookup, and a cut only
-happens in Fused mode with a graph pending. A forward under ``no_grad`` is not cut.
+``Linear`` layers of an MLP. The hooks are global (``torch.nn.modules.module``, installed at import when
+the variable is set): they add about 2 us to every module call, and a cut only happens in Fused mode
+with a graph pending. A forward under ``no_grad`` is not cut, nor one Dynamo compiles.
 """
 
 from __future__ import annotations
@@ -51,11 +51,6 @@ def install() -> None:
 
     _handles.append(module.register_module_forward_pre_hook(_pre))
     _handles.append(module.register_module_forward_hook(_post))
-
-
-def uninstall() -> None:
-    while _handles:
-        _handles.pop().remove()
 
 
 def _signature(module: torch.nn.Module):
