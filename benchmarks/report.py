@@ -419,8 +419,8 @@ def render() -> None:
     print(f"wrote {PAGE.relative_to(ROOT)} and {PLOTS.relative_to(ROOT)}/*.png")
 
 
-_TPU_MODES = {"twin": "JAX twin", "compiled": "compiled", "fused": "Fused", "hf": "HF Llama (Fused)",
-              "strict": "Strict"}
+_TPU_MODES = {"twin": "JAX twin", "compiled": "compiled", "blocks": "compiled per layer", "fused": "Fused",
+              "hf": "HF Llama (Fused)", "strict": "Strict"}
 
 
 def _tpu_modes(parsed: dict) -> list:
