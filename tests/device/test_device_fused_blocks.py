@@ -129,3 +129,17 @@ def test_which_modules_are_blocks():
         _blocks._mark(m)  # noqa: SLF001 - as the forward pre-hook does for a module's first call
     assert all(layer in _blocks._blocks for layer in model.layers)  # noqa: SLF001
     assert not any(m in _blocks._blocks for m in (*mlp, *mixed, model.output))  # noqa: SLF001
+    # lazy parameters have no shape yet: no block, and no error (the hook runs on every model's forward)
+    lazy = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.ReLU()) for _ in range(2)))
+    holder.lazy = lazy
+    _blocks._mark(holder)  # noqa: SLF001
+    assert not any(m in _blocks._blocks for m in lazy)  # noqa: SLF001
+
+    class Unhashable(torch.nn.Module):  # an __eq__ without __hash__: the hooks pass it by
+        def __eq__(self, other):
+            return self is other
+
+        def forward(self, x):
+            return x + 1
+
+    assert not _blocks._is_block(Unhashable())  # noqa: SLF001

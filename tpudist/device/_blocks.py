@@ -27,6 +27,7 @@ import os
 import weakref
 
 import torch
+from torch.nn.parameter import is_lazy
 
 _ENV = "TPUDIST_FUSED_BLOCKS"
 _seen: weakref.WeakSet = weakref.WeakSet()     # modules whose children were looked at
@@ -55,10 +56,14 @@ def install() -> None:
 
 def _signature(module: torch.nn.Module):
     """What makes two modules one block: their class and their parameters' names, shapes and dtypes;
-    None for a module without children (a lone Linear is no block: its program would be one op)."""
+    None for a module without children (a lone Linear is no block: its program would be one op) or with
+    lazy parameters (no shapes yet)."""
     if next(module.children(), None) is None:
         return None
-    return type(module), tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters())
+    params = list(module.named_parameters())
+    if any(is_lazy(p) for _, p in params):  # a lazy module's shapes are not known before its first call
+        return None
+    return type(module), tuple((name, tuple(p.shape), p.dtype) for name, p in params)
 
 
 def _mark(module: torch.nn.Module) -> None:
@@ -106,17 +111,22 @@ def _active() -> bool:
     return torch.is_grad_enabled() and rt.get_mode() == "fused" and enabled()
 
 
+def _is_block(module) -> bool:
+    try:
+        if module not in _seen:
+            _mark(module)
+        return module in _blocks
+    except TypeError:  # a module class that is not hashable (an __eq__ without __hash__): no block
+        return False
+
+
 def _pre(module, args):
-    if _compiling():  # a compiled graph has no Fused graph to cut
-        return
-    if module not in _seen:
-        _mark(module)
-    if module in _blocks and _active():
+    if not _compiling() and _is_block(module) and _active():  # a compiled graph has no Fused graph to cut
         _cut()
         _hook_grad(args)  # its gradient is whole: this block's backward is done
 
 
 def _post(module, args, output):
-    if not _compiling() and module in _blocks and _active():
+    if not _compiling() and _is_block(module) and _active():
         _cut()
         _hook_grad(output)  # its gradient is ready: this block's backward starts
