@@ -23,8 +23,11 @@ from tpudist.training.model import ModelArgs, Transformer
 @pytest.fixture
 def blocks(monkeypatch):
     monkeypatch.setenv("TPUDIST_FUSED_BLOCKS", "1")
+    installed = bool(_blocks._handles)  # noqa: SLF001 - set at import (TPUDIST_FUSED_BLOCKS=1 in the environment)
     _blocks.install()  # import installs them where the variable is set before it
     yield
+    if not installed:  # the worker's later tests run without the global hooks, as they would alone
+        _blocks.uninstall()
 
 
 def _recipe(dim: int, layers: int) -> torch.nn.Module:

@@ -54,6 +54,12 @@ def install() -> None:
     _handles.append(module.register_module_forward_hook(_post))
 
 
+def uninstall() -> None:
+    """Removes the hooks (a test's, which installed them, restoring the process it shares)."""
+    while _handles:
+        _handles.pop().remove()
+
+
 def _signature(module: torch.nn.Module):
     """What makes two modules one block: their class and their parameters' names, shapes and dtypes;
     None for a module without children (a lone Linear is no block: its program would be one op) or with
