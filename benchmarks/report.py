@@ -419,7 +419,7 @@ def render() -> None:
     print(f"wrote {PAGE.relative_to(ROOT)} and {PLOTS.relative_to(ROOT)}/*.png")
 
 
-_TPU_MODES = {"twin": "JAX twin", "compiled": "compiled", "blocks": "compiled per layer", "fused": "Fused",
+_TPU_MODES = {"twin": "JAX twin", "compiled": "compiled", "layers": "compiled per layer", "fused": "Fused",
               "hf": "HF Llama (Fused)", "strict": "Strict"}
 
 

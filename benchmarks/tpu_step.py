@@ -18,7 +18,7 @@ against), every mode from the same initial weights and the same batches:
 - ``fused`` / ``strict``: the "tpu" device's eager modes (``docs/device.md``);
 - ``hf``: Hugging Face's ``LlamaForCausalLM`` of the same sizes in Fused mode, with the recipe's
   weights (q/k rows permuted from interleaved rotary pairs to rotate-half), skipped without transformers;
-- ``blocks`` (only when named): each layer compiled (``layer.compile(backend="tpu")``, torchtitan's
+- ``layers`` (only when named): each layer compiled (``layer.compile(backend="tpu")``, torchtitan's
   way; every layer runs the same two programs), the embedding, head, loss and AdamW in Fused mode.
 
 Per mode: step 1 and step 2 timed apart with what each compiled (XLA compiles seen by JAX's
@@ -26,9 +26,9 @@ monitoring events, the device's Fused programs and op kernels, torch.compile's p
 then ``--steps`` steps (each synced: ``loss.item()`` and ``torch.tpu.synchronize()``, or
 ``float(loss)`` and ``block_until_ready`` for the twin): median step, tokens/s, model TFLOP/s and
 MFU; then ``--unsynced-steps`` steps read once at the end, as a loop that logs every N steps runs (the
-host dispatches the next step while the chip runs this one): their mean step. Then ``--profile-steps`` steps under JAX's profiler (``xla_profile.py``): the device's busy
-time against the wall time (the gap is host work, dispatch and idle), programs per step, op time by
-category, the top ops. All step-1 losses are printed: equal weights and batch give equal losses
+host dispatches the next step while the chip runs this one): their mean step. Then ``--profile-steps``
+steps under JAX's profiler (``xla_profile.py``): the device's busy time against the wall time (the
+gap is host work, dispatch and idle), programs per step, op time by category, the top ops. All step-1 losses are printed: equal weights and batch give equal losses
 (bf16 rounding apart), evidence that every mode trains the same model.
 
 FLOPs per step (the MFU numerator, one convention for every mode):
@@ -74,11 +74,11 @@ if HERE not in sys.path:
 
 PEAK_FLOPS = 197e12  # TPU v5e bf16 peak, 197 TFLOP/s per chip (Google Cloud's TPU v5e page)
 MODES = ("twin", "compiled", "fused", "hf", "strict")
-EXTRA_MODES = ("blocks",)  # run only when named in --modes
+EXTRA_MODES = ("layers",)  # run only when named in --modes
 # Seconds the first two steps take on the chip at the default size, cold caches, with a margin: measured
 # 2026-12-06, twin 27 s, compiled 60-67 s, Fused 57-75 s, HF Llama 67-79 s; Strict 158 s (2026-12-05).
 EXPECTED_FIRST_STEPS_S = {"twin": 45.0, "compiled": 90.0, "fused": 100.0, "hf": 100.0, "strict": 170.0,
-                          "blocks": 90.0}  # blocks: not yet run on the chip (compiled's bound)
+                          "layers": 90.0}  # layers: not yet run on the chip (compiled's bound)
 TARGETS = (  # (key, what, comparison, bar): issue #37
     ("compiled_over_twin_tokens", "compiled tokens/s / twin tokens/s", ">=", 0.9),
     ("compiled_mfu", "compiled MFU", ">=", 0.40),
@@ -327,7 +327,7 @@ def make_torch(mode: str, base, args, batches, hp) -> Runner:
     model = (hf_from_recipe(base, args) if mode == "hf" else copy.deepcopy(base)).to("tpu")
     opt = torch.optim.AdamW(model.parameters(), **hp.torch_kwargs())
     loss_fn = torch.compile(_loss, backend="tpu", fullgraph=True, dynamic=False) if mode == "compiled" else _loss
-    if mode == "blocks":  # torchtitan's way: each layer compiled, one graph for them all; the rest in Fused
+    if mode == "layers":  # torchtitan's way: each layer compiled, one graph for them all; the rest in Fused
         for layer in model.layers:
             layer.compile(backend="tpu", fullgraph=True, dynamic=False)
     with torch.tpu.eager_mode(eager):
@@ -350,7 +350,7 @@ def make_torch(mode: str, base, args, batches, hp) -> Runner:
     def close():
         nonlocal model, opt, data
         model = opt = data = None
-        if mode in ("compiled", "blocks"):
+        if mode in ("compiled", "layers"):
             torch._dynamo.reset()  # noqa: SLF001 - drop the compiled programs' references
 
     return Runner(step, wait, close)

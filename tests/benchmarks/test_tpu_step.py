@@ -185,20 +185,20 @@ def test_tiny_cpu_run_writes_the_report_fields(tmp_path):
 
 
 def test_layers_compiled_apart_share_their_programs(tmp_path):
-    """``--modes blocks``: three layers compiled one by one are one forward graph and one backward graph,
+    """``--modes layers``: three layers compiled one by one are one forward graph and one backward graph,
     built in step 1, and train as the twin does (its first loss)."""
     out = tmp_path / "tpu_step.json"
     cmd = [sys.executable, os.path.join(BENCHMARKS, "tpu_step.py"), "--tiny", "--layers", "3", "--seq", "32",
-           "--modes", "twin,blocks", "--steps", "1", "--unsynced-steps", "1", "--profile-steps", "0",
+           "--modes", "twin,layers", "--steps", "1", "--unsynced-steps", "1", "--profile-steps", "0",
            "--json", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     parsed = json.loads(out.read_text())["parsed"]
-    mode = parsed["modes"]["blocks"]
+    mode = parsed["modes"]["layers"]
     assert mode["status"] == "ok", mode.get("error")
     assert mode["step1"]["compiles"]["compile_graphs"] == 2, mode["step1"]["compiles"]
     assert mode["step2"]["compiles"]["compile_graphs"] == 0 and mode["steady_compiles"]["xla_compiles"] == 0
-    assert parsed["first_loss_rel_diff_vs_twin"]["blocks"] < 1e-2
+    assert parsed["first_loss_rel_diff_vs_twin"]["layers"] < 1e-2
 
 
 def test_add_to_keeps_the_earlier_runs_other_modes(tmp_path):
