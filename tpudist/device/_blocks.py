@@ -23,11 +23,12 @@ with a graph pending. A forward under ``no_grad`` is not cut, nor one Dynamo com
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 from torch.nn.parameter import is_lazy
+
+from tpudist._switches import switch
 
 _ENV = "TPUDIST_FUSED_BLOCKS"
 _seen: weakref.WeakSet = weakref.WeakSet()     # modules whose children were looked at
@@ -37,11 +38,7 @@ _compiling = torch.compiler.is_compiling
 
 
 def enabled() -> bool:
-    value = os.environ.get(_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{_ENV}={value!r} must be '1' (Fused programs cut at a model's repeated blocks) or "
-                         "'0' (not, the default)")
-    return value == "1"
+    return switch(_ENV, "0", "Fused programs cut at a model's repeated blocks", "not, the default")
 
 
 def install() -> None:

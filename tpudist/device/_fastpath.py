@@ -19,6 +19,8 @@ import os
 import warnings
 from pathlib import Path
 
+from tpudist._switches import switch
+
 _NAME = "tpudist_fastpath"
 _SOURCE = Path(__file__).with_name("csrc") / "fastpath.cpp"
 
@@ -27,11 +29,8 @@ reason = ""  # why the C++ signature is not in use ("" when it is)
 
 def enabled() -> bool:
     """Whether ``TPUDIST_CPP_FASTPATH`` allows the C++ signature (unset or "1"; "0" keeps the Python one)."""
-    value = os.environ.get("TPUDIST_CPP_FASTPATH", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"TPUDIST_CPP_FASTPATH={value!r} must be '1' (build and use the C++ per-op signature, "
-                         "the default) or '0' (the Python one: same keys, more host time per op)")
-    return value == "1"
+    return switch("TPUDIST_CPP_FASTPATH", "1", "build and use the C++ per-op signature, the default",
+                  "the Python one: same keys, more host time per op")
 
 
 def root() -> str:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tpudist import matmul_precision as precision
+from tpudist._switches import switch
 from tpudist.device import _hoist, _oom, _storage, views
 from tpudist.device import _runtime as rt
 from tpudist.device._core import result_of
@@ -81,11 +82,8 @@ def max_ops() -> int:
 
 def split_backward() -> bool:
     """Whether a backward pass's first op runs the pending (forward's) graph (``TPUDIST_FUSED_SPLIT_BACKWARD``)."""
-    value = os.environ.get(_SPLIT_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{_SPLIT_ENV}={value!r} must be '1' (a backward pass's first op runs the forward's "
-                         "graph, the default) or '0' (forward, backward and optimizer step record into one graph)")
-    return value == "1"
+    return switch(_SPLIT_ENV, "1", "a backward pass's first op runs the forward's graph, the default",
+                  "forward, backward and optimizer step record into one graph")
 
 
 def forward_chunk() -> int:

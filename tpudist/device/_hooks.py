@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from tpudist._switches import switch
+
 _NAME = "tpudist_hooks"
 _SOURCE = Path(__file__).with_name("csrc") / "hooks.cpp"
 _READY = "ready"  # holds the library's path, written once the build succeeded
@@ -42,11 +44,8 @@ class CppHooksWarning(RuntimeWarning):
 
 def enabled() -> bool:
     """Whether ``TPUDIST_CPP_HOOKS`` allows the C++ hooks (unset or "1"; "0" forces the Python ones)."""
-    value = os.environ.get("TPUDIST_CPP_HOOKS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"TPUDIST_CPP_HOOKS={value!r} must be '1' (build and use the C++ hooks, the default) "
-                         "or '0' (use torch's Python hooks: no pinned allocations in C++)")
-    return value == "1"
+    return switch("TPUDIST_CPP_HOOKS", "1", "build and use the C++ hooks, the default",
+                  "use torch's Python hooks: no pinned allocations in C++")
 
 
 def build_dir(source: Path = _SOURCE, root: str | None = None) -> Path:
