@@ -256,6 +256,38 @@ class CompileCounter:
                 for k, v in after.items()}
 
 
+_BUILDS: list = []  # (seconds, what) of each Fused program built, for step 1's slowest (watch_fused_builds)
+
+
+def watch_fused_builds() -> None:
+    """Time each Fused program tpudist builds (trace, XLA compile or load) with what it runs, so step 1's
+    compile time can be read per program: which of a step's programs cost, not just their sum."""
+    from collections import Counter
+
+    from tpudist.device import _fused
+
+    build = _fused._load_or_compile  # noqa: SLF001
+    if getattr(build, "watched", False):
+        return
+
+    def timed(g, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return build(g, *args, **kwargs)
+        finally:
+            ops = Counter(str(k.op).split(".")[-2] if "." in str(k.op) else str(k.op) for k, _, _ in g.nodes)
+            top = ", ".join(f"{n} {c}" for n, c in ops.most_common(4))
+            _BUILDS.append((time.perf_counter() - t0, f"Fused {len(g.nodes)} ops ({top})"))
+
+    timed.watched = True
+    _fused._load_or_compile = timed  # noqa: SLF001
+
+
+def _slowest_builds(since: int, n: int = 6) -> str:
+    builds = sorted(_BUILDS[since:], reverse=True)[:n]
+    return "; ".join(f"{s:.1f} s {what}" for s, what in builds)
+
+
 def _compiles_text(c: dict) -> str:
     parts = [f"{c['xla_compiles']} XLA compiles {c['xla_compile_s']:.1f} s"]
     if c.get("xla_cache_hits"):
@@ -323,6 +355,7 @@ def make_torch(mode: str, base, args, batches, hp) -> Runner:
 
     import tpudist.device  # noqa: F401
 
+    watch_fused_builds()
     eager = "strict" if mode == "strict" else "fused"
     model = (hf_from_recipe(base, args) if mode == "hf" else copy.deepcopy(base)).to("tpu")
     opt = torch.optim.AdamW(model.parameters(), **hp.torch_kwargs())
@@ -361,12 +394,15 @@ def measure(mode: str, runner: Runner, a, flops: float, counter: CompileCounter,
     """Steps 1 and 2 with their compiles, the timed steps, the profile; filled into ``res`` as they end,
     so a failure later in the mode keeps what came before."""
     for i, label in enumerate(("step1", "step2")):
-        before = counter.snapshot()
+        before, built = counter.snapshot(), len(_BUILDS)
         t0 = time.perf_counter()
         loss = runner.step(i % num_batches)
         seconds = time.perf_counter() - t0
         res[label] = {"s": seconds, "loss": loss, "compiles": counter.since(before)}
         log(f"  {label}: {seconds:.2f} s, loss {loss:.5f}; {_compiles_text(res[label]['compiles'])}")
+        if len(_BUILDS) > built:
+            res[label]["slowest_fused_builds"] = _slowest_builds(built)
+            log(f"    slowest Fused programs to build: {res[label]['slowest_fused_builds']}")
     before = counter.snapshot()
     times, losses = [], []
     for j in range(a.steps):

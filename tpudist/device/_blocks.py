@@ -1,4 +1,4 @@
-"""Fused mode cut at a model's repeated blocks (``TPUDIST_FUSED_BLOCKS=1``).
+"""Fused mode cut at a model's repeated blocks (the default; ``TPUDIST_FUSED_BLOCKS=0`` turns it off).
 
 A transformer's layers are one module class repeated in an ``nn.ModuleList``: their ops are the same,
 their programs would be too, if each layer were a program of its own. Cut at counts of ops (the
@@ -16,8 +16,8 @@ The cuts, each running the pending graph (as a chunk does, values crossing in th
 Blocks are the children of an ``nn.ModuleList`` (or ``nn.Sequential``) that holds two or more modules
 of one class with submodules and parameters of the same names, shapes and dtypes, in a module whose
 ``forward`` runs (they are found as it starts, once per module): a transformer's layers, not the
-``Linear`` layers of an MLP. The hooks are global (``torch.nn.modules.module``, installed at import when
-the variable is set): they add about 2 us to every module call, and a cut only happens in Fused mode
+``Linear`` layers of an MLP. The hooks are global (``torch.nn.modules.module``, installed at import unless
+the variable is 0): they add about 2 us to every module call, and a cut only happens in Fused mode
 with a graph pending. A forward under ``no_grad`` is not cut, nor one Dynamo compiles.
 """
 
@@ -38,11 +38,11 @@ _compiling = torch.compiler.is_compiling
 
 
 def enabled() -> bool:
-    return switch(_ENV, "0", "Fused programs cut at a model's repeated blocks", "not, the default")
+    return switch(_ENV, "1", "Fused programs cut at a model's repeated blocks, the default", "not")
 
 
 def install() -> None:
-    """Registers the global module hooks (once); they cut only while ``TPUDIST_FUSED_BLOCKS=1``."""
+    """Registers the global module hooks (once); they cut only while ``TPUDIST_FUSED_BLOCKS`` is not 0."""
     if _handles:
         return
     from torch.nn.modules import module
