@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import tpudist.ops as tops
 from tpudist import matmul_precision as precision
-from tpudist.device import _fused, _grow, _layouts, _oom
+from tpudist.device import _blocks, _fused, _groups, _grow, _layouts, _oom
 from tpudist.device import _runtime as rt
 from tpudist.device import views
 from tpudist.device._core import (
@@ -43,15 +43,21 @@ def _grown(mode, op, args, kwargs):
     return result if finish is None else finish(result)
 
 
-def execute(op, args, kwargs):
+def execute(op, args, kwargs, whole=False):
     """Run one non-view op on tpu tensors in the current eager mode.
 
     The hot path of every op: a cache hit goes from the signature to the recorder (Fused) or the
-    jitted kernel (Strict) with no other call; anything else goes through ``_resolve``.
+    jitted kernel (Strict) with no other call; anything else goes through ``_resolve``. In Fused mode
+    a foreach op over a model's parameters is recorded a layer's worth at a time (``_groups``), unless
+    ``whole``.
     """
     if kwargs and kwargs.get("generator") is not None:  # draw from the generator's stream, not the default
         return rt.run_with_generator(execute, op, args, kwargs)
     mode = rt.get_mode()
+    if mode == "fused" and not whole and _groups.eligible(op) and _blocks.enabled():
+        grouped = _groups.run(op, args, kwargs, _whole)
+        if grouped is not NotImplemented:
+            return grouped
     # the weak dict's own ``__len__`` is Python code (~0.2 us an op); its dict is what it holds (an
     # entry whose buffer just died only sends the op through _grow.plan, which finds nothing grown)
     if (op in _grow.ALWAYS or _grow.CAPACITY.data) and rt.dynamic_scalars():
@@ -78,6 +84,10 @@ def execute(op, args, kwargs):
             scalars = scalars + list(rt.next_rng(args))
         return _fused.record(kernel, leaves, buffers, scalars)
     return _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars)
+
+
+def _whole(op, args, kwargs):
+    return execute(op, args, kwargs, True)
 
 
 def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):

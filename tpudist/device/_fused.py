@@ -36,7 +36,7 @@ import torch
 
 from tpudist import matmul_precision as precision
 from tpudist._switches import switch
-from tpudist.device import _hoist, _oom, _storage, views
+from tpudist.device import _blocks, _hoist, _oom, _parts, _storage, views
 from tpudist.device import _runtime as rt
 from tpudist.device._core import result_of
 from tpudist.device._storage import _ATTR, X64, Lazy, Shaped, _source_fingerprint
@@ -158,11 +158,34 @@ def record(kernel, leaves, buffers, scalars):
     g.num_values = index + len(outputs)
     if len(nodes) >= g.cap:
         flush()
-    elif g.chunk and not _hoist.array_free(kernel, len(scalars)):
-        g.counted += 1
-        if g.counted >= g.chunk:
-            flush(shaped=True)
+    elif g.chunk and not _uncounted and not _hoist.array_free(kernel, len(scalars)):
+        count_op(g)
     return fresh[0] if kernel.single_result else result_of(kernel, leaves, fresh)
+
+
+def count_op(g: Graph) -> None:
+    """One more op for ``g``'s chunk: it runs once it holds ``g.chunk`` of them."""
+    g.counted += 1
+    if g.counted >= g.chunk:
+        flush(shaped=True)
+
+
+_uncounted = 0  # > 0: the ops being recorded are parts of one op (_groups), counted once, after them
+
+
+@contextlib.contextmanager
+def counted_as_one():
+    """The ops recorded inside count as one op for the chunks, after them (a foreach op recorded range
+    by range, ``_groups``): chunks cut a step where they did with the op recorded whole."""
+    global _uncounted
+    _uncounted += 1
+    try:
+        yield
+    finally:
+        _uncounted -= 1
+    g = _graph
+    if not _uncounted and g is not None and g.chunk:
+        count_op(g)
 
 
 _weakref = weakref.ref
@@ -297,10 +320,20 @@ def _build(g: Graph, live: list, sc, shaped: bool):
     (the main program's, when split) in their own shapes where ``shaped``."""
     split = _hoist.split(g.nodes, live, len(g.scalars))
     if split is None:
-        rt.stats["programs"] += 1
-        return _load_or_compile(g, live, sc, result_shapes(g.nodes, live) if shaped else None)
+        return _whole_or_parts(g, live, sc, shaped)
     rt.stats["hoisted_ops"] += len(split.init_nodes)
     return _SplitProgram(split, _like(g, (), [], ()), shaped)
+
+
+def _whole_or_parts(g: Graph, live: list, sc, shaped: bool):
+    """The program of a graph (no op of it split off): one, or, where its ops fall into independent
+    repeated parts (an optimizer step recorded a layer at a time: ``_groups``), one per part (``_parts``)."""
+    parts = _parts.split(g.nodes, live, len(g.scalars)) if _blocks.enabled() else None
+    if parts is None:
+        rt.stats["programs"] += 1
+        return _load_or_compile(g, live, sc, result_shapes(g.nodes, live) if shaped else None)
+    rt.stats["parted_graphs"] += 1
+    return _PartsProgram(parts, _like(g, (), [], ()), shaped, len(live))
 
 
 def _like(g: Graph, nodes, inputs: list, scalars) -> Graph:
@@ -320,8 +353,7 @@ def _cached(template: Graph, nodes, inputs: list, live, sc, shaped: bool = False
     key = _key(sub, live, shaped)
     program = _PROGRAMS.get(key)
     if program is None:
-        program = _PROGRAMS[key] = _load_or_compile(sub, live, sc, result_shapes(nodes, live) if shaped else None)
-        rt.stats["programs"] += 1
+        program = _PROGRAMS[key] = _whole_or_parts(sub, list(live), sc, shaped)
     return program
 
 
@@ -349,6 +381,25 @@ class _SplitProgram:
         if self.main is None:
             self.main = _cached(t, s.main_nodes, args, s.main_live, main_sc, self.shaped)
         return s.outputs(self.main(args, main_sc), made)
+
+
+class _PartsProgram:
+    """A graph run as its parts (``_parts``), one after another, each a program that its repeats share;
+    the programs are looked up at the first run, when their inputs exist."""
+
+    def __init__(self, parts, template: Graph, shaped: bool, num_live: int):
+        self.parts, self.template, self.shaped, self.num_live, self.programs = parts, template, shaped, num_live, None
+
+    def __call__(self, inputs, sc):
+        args = [([inputs[k] for k in p.inputs], sc[p.scalars]) for p in self.parts]
+        if self.programs is None:
+            self.programs = [_cached(self.template, p.nodes, a, p.live, s, self.shaped)
+                             for p, (a, s) in zip(self.parts, args)]
+        outs = [None] * self.num_live
+        for p, program, (a, s) in zip(self.parts, self.programs, args):
+            for position, value in zip(p.positions, program(a, s)):
+                outs[position] = value
+        return outs
 
 
 def _first(pair):

@@ -1,0 +1,137 @@
+"""Fused mode: an optimizer step recorded a layer's worth at a time and run one program per repeated part
+(docs/device.md, Eager modes): ``_groups`` cuts a foreach op's lists where their shapes repeat, ``_parts``
+runs a graph's independent repeated parts as programs their repeats share.
+
+Against CPU eager: foreach results (in place and new lists, scalar lists, norms) and AdamW training; the
+largest program a step builds does not grow with the model's depth. Shapes of their own per test: the
+process's programs are shared by every test of the folder.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpudist.device  # noqa: F401  (installs the "tpu" device)
+from tpudist.device import _fused, _groups, _parts
+from tpudist.training.model import ModelArgs, Transformer
+
+E, A, B, N = ((50, 8), torch.float32), ((8, 8), torch.float32), ((4, 8), torch.float32), ((8,), torch.float32)
+
+
+def test_cut_where_the_shapes_repeat():
+    layer = [A, B, B, A, N]
+    recipe = [E] + layer * 4 + [N, E]          # embedding, 4 layers, final norm, head
+    assert _groups.cut(recipe) == ((0, 1), (1, 6), (6, 11), (11, 16), (16, 21), (21, 23))
+    assert _groups.cut(layer * 4) == ((0, 5), (5, 10), (10, 15), (15, 20))
+    same = [N] * 40                             # 40 repeats of one tensor: 16 groups at most, 3 at a time
+    ranges = _groups.cut(same)
+    assert len(ranges) <= _groups.MAX_GROUPS and ranges[0] == (0, 3) and ranges[-1] == (39, 40)
+    assert [lo for lo, _ in ranges[1:]] == [hi for _, hi in ranges[:-1]]  # every tensor once, in order
+    distinct = [((i,), torch.float32) for i in range(1, 30)]
+    assert _groups.cut([A, B] * 4 + distinct[:10]) is None  # the repeats cover under half of the list
+    assert _groups.cut(distinct) is None                    # nothing repeats
+
+
+def _lists(n_layers, seed):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [E[0]] + [A[0], B[0], B[0], A[0], N[0]] * n_layers + [N[0], E[0]]
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+@pytest.mark.parametrize("mode", ["fused"], indirect=True)
+def test_foreach_ops_cut_into_groups_match_cpu(mode):
+    xs, ys, zs = _lists(4, 0), _lists(4, 1), [t.abs() + 0.5 for t in _lists(4, 2)]
+    scalars = [0.5 + i / 10 for i in range(len(xs))]
+    assert _groups.cut([(tuple(t.shape), t.dtype) for t in xs]) is not None
+
+    def run(device):
+        x, y, z = ([t.to(device) for t in ts] for ts in (xs, ys, zs))
+        new = torch._foreach_add(x, y, alpha=0.5)     # a new list, joined in order
+        torch._foreach_mul_(x, scalars)               # a scalar list, cut with the tensors
+        torch._foreach_addcdiv_(x, y, z, 0.25)
+        norms = torch._foreach_norm(new)
+        return [t.cpu() for t in (*new, *x, *norms)]
+
+    before = torch.tpu.cache_stats()
+    got = run("tpu")
+    assert torch.tpu.cache_stats()["recorded_ops"] - before["recorded_ops"] > 4  # each op recorded in parts
+    for g, r in zip(got, run("cpu"), strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["fused"], indirect=True)
+def test_lists_of_other_lengths_raise_torch_error(mode):
+    xs = [t.to("tpu") for t in _lists(4, 0)]
+    with pytest.raises(RuntimeError, match=f"got {len(xs)} and {len(xs) - 1}"):
+        torch._foreach_add_(xs, xs[:-1])
+
+
+def _recipe(layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Transformer(ModelArgs(vocab_size=72, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, max_seq_len=16))
+
+
+def _train(model, device: str, steps: int = 3):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randint(0, 72, (2, 16), generator=g), torch.randint(0, 72, (2, 16), generator=g)
+        loss = F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["fused"], indirect=True)
+def test_optimizer_step_runs_a_layer_at_a_time(mode, monkeypatch):
+    """AdamW trains as on the CPU, and the largest program built (counted in tensors read and written)
+    is as large at 6 layers as at 3: one layer's update, not the whole model's. Each depth starts from
+    an empty program table, so neither reuses the other's programs."""
+    built = []
+    compile_ = _fused._load_or_compile  # noqa: SLF001
+
+    def counting(g, *args, **kwargs):
+        built.append(sum(len(kernel.slots) for kernel, _, _ in g.nodes))
+        return compile_(g, *args, **kwargs)
+
+    monkeypatch.setattr(_fused, "_load_or_compile", counting)
+    largest, parted = [], []
+    for layers in (3, 6):
+        _fused._PROGRAMS.clear()  # noqa: SLF001
+        built.clear()
+        before = torch.tpu.cache_stats().get("parted_graphs", 0)
+        ref = _train(_recipe(layers), "cpu")
+        got = _train(_recipe(layers).to("tpu"), "tpu")
+        assert got[0] == pytest.approx(ref[0], rel=1e-5)
+        for g, r in zip(got[1], ref[1], strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+        largest.append(max(built))
+        parted.append(torch.tpu.cache_stats().get("parted_graphs", 0) - before)
+    assert largest[0] == largest[1], largest
+    assert parted[0] >= 1 and parted[1] >= 1, parted
+
+
+@pytest.mark.parametrize("mode", ["fused"], indirect=True)
+@pytest.mark.parametrize("count", [2, _parts.MAX_PARTS + 1])
+def test_independent_repeats_run_apart_unless_too_many(mode, count):
+    """A graph of ``count`` independent repeats of the same ops (and one other op) runs as parts when
+    there are a few of them, whole when one program each would be too many; the values are CPU's either way."""
+    xs = [torch.randn(3, 5, generator=torch.Generator().manual_seed(i)) for i in range(count)]
+    w = torch.randn(5, 7)
+
+    def run(device):
+        out = [(x.to(device) * 1.5 + 0.25).exp() for x in xs]
+        other = w.to(device).sum(0)
+        return [t.cpu() for t in (*out, other)]
+
+    before = torch.tpu.cache_stats().get("parted_graphs", 0)
+    got = run("tpu")
+    parted = torch.tpu.cache_stats().get("parted_graphs", 0) - before
+    for g, r in zip(got, run("cpu"), strict=True):
+        torch.testing.assert_close(g, r)
+    assert parted == (1 if count <= _parts.MAX_PARTS else 0)
