@@ -28,17 +28,12 @@ import weakref
 import torch
 from torch.nn.parameter import is_lazy
 
-from tpudist._switches import switch
+from tpudist.device._parts import enabled  # noqa: F401  (the switch: TPUDIST_FUSED_BLOCKS)
 
-_ENV = "TPUDIST_FUSED_BLOCKS"
 _seen: weakref.WeakSet = weakref.WeakSet()     # modules whose children were looked at
 _blocks: weakref.WeakSet = weakref.WeakSet()   # modules that are blocks
 _handles: list = []
 _compiling = torch.compiler.is_compiling
-
-
-def enabled() -> bool:
-    return switch(_ENV, "1", "Fused programs cut at a model's repeated blocks, the default", "not")
 
 
 def install() -> None:

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import tpudist.ops as tops
 from tpudist import matmul_precision as precision
-from tpudist.device import _blocks, _fused, _groups, _grow, _layouts, _oom
+from tpudist.device import _fused, _groups, _grow, _layouts, _oom, _parts
 from tpudist.device import _runtime as rt
 from tpudist.device import views
 from tpudist.device._core import (
@@ -54,7 +54,7 @@ def execute(op, args, kwargs, whole=False):
     if kwargs and kwargs.get("generator") is not None:  # draw from the generator's stream, not the default
         return rt.run_with_generator(execute, op, args, kwargs)
     mode = rt.get_mode()
-    if mode == "fused" and not whole and _groups.eligible(op) and _blocks.enabled():
+    if mode == "fused" and not whole and _groups.eligible(op) and _parts.enabled():
         grouped = _groups.run(op, args, kwargs, _whole)
         if grouped is not NotImplemented:
             return grouped

@@ -36,7 +36,7 @@ import torch
 
 from tpudist import matmul_precision as precision
 from tpudist._switches import switch
-from tpudist.device import _blocks, _hoist, _oom, _parts, _storage, views
+from tpudist.device import _hoist, _oom, _parts, _storage, views
 from tpudist.device import _runtime as rt
 from tpudist.device._core import result_of
 from tpudist.device._storage import _ATTR, X64, Lazy, Shaped, _source_fingerprint
@@ -328,7 +328,7 @@ def _build(g: Graph, live: list, sc, shaped: bool):
 def _whole_or_parts(g: Graph, live: list, sc, shaped: bool):
     """The program of a graph (no op of it split off): one, or, where its ops fall into independent
     repeated parts (an optimizer step recorded a layer at a time: ``_groups``), one per part (``_parts``)."""
-    parts = _parts.split(g.nodes, live, len(g.scalars)) if _blocks.enabled() else None
+    parts = _parts.split(g.nodes, live, len(g.scalars)) if _parts.enabled() else None
     if parts is None:
         rt.stats["programs"] += 1
         return _load_or_compile(g, live, sc, result_shapes(g.nodes, live) if shaped else None)

@@ -17,9 +17,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tpudist._switches import switch
 from tpudist.device import _hoist
 
 MAX_PARTS = 24
+
+
+def enabled() -> bool:
+    """``TPUDIST_FUSED_BLOCKS`` (unset: 1): whether Fused mode cuts where a model repeats itself: at its
+    blocks (``_blocks``), its optimizer's foreach ops (``_groups``), a graph's repeated parts (here)."""
+    return switch("TPUDIST_FUSED_BLOCKS", "1", "Fused programs cut at a model's repeats, the default", "not")
 
 
 @dataclass(frozen=True, slots=True)
