@@ -9,6 +9,8 @@ process's programs are shared by every test of the folder.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,12 +93,14 @@ def _train(model, device: str, steps: int = 3):
 def test_optimizer_step_runs_a_layer_at_a_time(mode, monkeypatch):
     """AdamW trains as on the CPU, and the largest program built (counted in tensors read and written)
     is as large at 6 layers as at 3: one layer's update, not the whole model's. Each depth starts from
-    an empty program table, so neither reuses the other's programs."""
-    built = []
+    an empty program table, so neither reuses the other's programs. The parts' programs (a layer's
+    update, the rest) and the optimizer state's are built in threads, several at once."""
+    built, threads = [], set()
     compile_ = _fused._load_or_compile  # noqa: SLF001
 
     def counting(g, *args, **kwargs):
         built.append(sum(len(kernel.slots) for kernel, _, _ in g.nodes))
+        threads.add(threading.get_ident())
         return compile_(g, *args, **kwargs)
 
     monkeypatch.setattr(_fused, "_load_or_compile", counting)
@@ -114,6 +118,7 @@ def test_optimizer_step_runs_a_layer_at_a_time(mode, monkeypatch):
         parted.append(torch.tpu.cache_stats().get("parted_graphs", 0) - before)
     assert largest[0] == largest[1], largest
     assert parted[0] >= 1 and parted[1] >= 1, parted
+    assert len(threads - {threading.get_ident()}) >= 2, threads
 
 
 @pytest.mark.parametrize("mode", ["fused"], indirect=True)

@@ -27,8 +27,10 @@ import contextlib
 import copy
 import math
 import os
+import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -48,6 +50,7 @@ _CHUNK_ENV = "TPUDIST_FUSED_FORWARD_CHUNK"
 _BACKWARD_CHUNK_ENV = "TPUDIST_FUSED_BACKWARD_CHUNK"
 assert _ATTR == "_tpudist_buffer"  # record() sets the storage's buffer under this name
 _PROGRAMS: dict = {}
+_STATS_LOCK = threading.Lock()  # programs are built in threads (_cached_all): their counts add up under it
 
 
 class Graph:
@@ -310,7 +313,8 @@ def _load_or_compile(g: Graph, live, sc, shapes=None):
         compiled, _, loaded = program_cache.load_or_compile("fused_xla", key, jitted, (g.inputs, sc), [rt.device()],
                                                             compiler_options=COMPILER_OPTIONS)
     if loaded or module_from_cache[0]:
-        rt.stats["programs_from_disk"] += 1
+        with _STATS_LOCK:
+            rt.stats["programs_from_disk"] += 1
     return compiled
 
 
@@ -329,10 +333,10 @@ def _whole_or_parts(g: Graph, live: list, sc, shaped: bool):
     """The program of a graph (no op of it split off): one, or, where its ops fall into independent
     repeated parts (an optimizer step recorded a layer at a time: ``_groups``), one per part (``_parts``)."""
     parts = _parts.split(g.nodes, live, len(g.scalars)) if _parts.enabled() else None
+    with _STATS_LOCK:
+        rt.stats["programs" if parts is None else "parted_graphs"] += 1
     if parts is None:
-        rt.stats["programs"] += 1
         return _load_or_compile(g, live, sc, result_shapes(g.nodes, live) if shaped else None)
-    rt.stats["parted_graphs"] += 1
     return _PartsProgram(parts, _like(g, (), [], ()), shaped, len(live))
 
 
@@ -349,12 +353,30 @@ def _like(g: Graph, nodes, inputs: list, scalars) -> Graph:
 def _cached(template: Graph, nodes, inputs: list, live, sc, shaped: bool = False):
     """The program of a split-off graph: this process's if a graph recorded as this one ran before,
     else compiled or loaded; keyed as ``flush`` keys a recorded graph."""
-    sub = _like(template, nodes, inputs, sc)
-    key = _key(sub, live, shaped)
-    program = _PROGRAMS.get(key)
-    if program is None:
-        program = _PROGRAMS[key] = _whole_or_parts(sub, list(live), sc, shaped)
-    return program
+    return _cached_all([(template, nodes, inputs, live, sc, shaped)])[0]
+
+
+def _cached_all(graphs) -> list:
+    """``_cached`` of several graphs (its arguments each), those not built yet compiled at once, in
+    threads: XLA's compile releases the GIL, so the programs a split graph needs first (an optimizer's
+    parts, its new state's) take about the longest one's time, not the sum of theirs."""
+    keyed, todo = [], {}
+    for template, nodes, inputs, live, sc, shaped in graphs:
+        sub = _like(template, nodes, inputs, sc)
+        key = _key(sub, live, shaped)
+        keyed.append(key)
+        if key not in _PROGRAMS and key not in todo:
+            todo[key] = (sub, list(live), sc, shaped)
+    if len(todo) > 1:
+        with ThreadPoolExecutor(min(len(todo), _COMPILE_THREADS)) as pool:
+            _PROGRAMS.update(zip(todo, pool.map(_whole_or_parts, *zip(*todo.values()))))
+    else:
+        for key, job in todo.items():
+            _PROGRAMS[key] = _whole_or_parts(*job)
+    return [_PROGRAMS[key] for key in keyed]
+
+
+_COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 class _SplitProgram:
@@ -373,8 +395,8 @@ class _SplitProgram:
         if self.main is None:
             # in their own shape where the main program's results are: then the main program reads them as
             # the next step's reads the storages this step's program wrote, and is that program
-            self.inits = [_cached(t, (node,), [], range(node[0].num_written + len(node[0].outputs)), sc[at],
-                                  self.shaped) for node, at in zip(s.init_nodes, s.init_scalars)]
+            self.inits = _cached_all([(t, (node,), [], range(node[0].num_written + len(node[0].outputs)), sc[at],
+                                       self.shaped) for node, at in zip(s.init_nodes, s.init_scalars)])
         made = [v for program, at in zip(self.inits, s.init_scalars) for v in program([], sc[at])]
         args = s.main_args(inputs, made)
         main_sc = sc[s.main_scalars]
@@ -393,8 +415,8 @@ class _PartsProgram:
     def __call__(self, inputs, sc):
         args = [([inputs[k] for k in p.inputs], sc[p.scalars]) for p in self.parts]
         if self.programs is None:
-            self.programs = [_cached(self.template, p.nodes, a, p.live, s, self.shaped)
-                             for p, (a, s) in zip(self.parts, args)]
+            self.programs = _cached_all([(self.template, p.nodes, a, p.live, s, self.shaped)
+                                         for p, (a, s) in zip(self.parts, args)])
         outs = [None] * self.num_live
         for p, program, (a, s) in zip(self.parts, self.programs, args):
             for position, value in zip(p.positions, program(a, s)):
