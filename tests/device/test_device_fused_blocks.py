@@ -8,6 +8,7 @@ own per test: the process's programs are shared by every test of the folder.
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -113,6 +114,47 @@ def test_blocks_with_chunks_and_without_grad(mode, blocks, monkeypatch):
         out = model(x.to("tpu")).sum().item()
     assert torch.tpu.cache_stats()["syncs"] == syncs + 1
     assert out == pytest.approx(model.cpu()(x).sum().item(), rel=1e-5)
+
+
+class _SyncsFirst(torch.nn.Module):
+    """Reads a value to the host between its embedding and its layers (as Hugging Face's mask checks
+    do): a sync point, not a cut, runs the embedding's graph, so the first layer's input is held flat."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 24)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(24), torch.nn.Linear(24, 24), torch.nn.GELU()) for _ in range(layers))
+        self.head = torch.nn.Linear(24, 64)
+
+    def forward(self, x):
+        h = self.embed(x)
+        if bool(x.max() >= 64):  # the sync: it runs the embedding's graph too
+            raise ValueError("token ids past the vocabulary")
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("mode", ["fused"], indirect=True)
+def test_first_layer_after_a_sync_runs_the_layers_programs(mode, blocks, monkeypatch):
+    """The first layer's input, left flat by a sync, is put in its own shape at the layer's start: it runs
+    the programs of the other layers (forward and backward), never a same-ops program of its own."""
+    built = []
+    compile_ = _fused._load_or_compile  # noqa: SLF001
+
+    def spy(g, *args, **kwargs):
+        built.append(tuple(kernel for kernel, _, _ in g.nodes))
+        return compile_(g, *args, **kwargs)
+
+    monkeypatch.setattr(_fused, "_load_or_compile", spy)
+    _fused._PROGRAMS.clear()  # noqa: SLF001
+    torch.manual_seed(0)
+    ref = _SyncsFirst(3)
+    got = _train(copy.deepcopy(ref).to("tpu"), "tpu")
+    _check_equal(_train(ref, "cpu"), got)
+    repeated = [ops for ops in set(built) if built.count(ops) > 1]
+    assert not repeated, [len(ops) for ops in repeated]
 
 
 def test_bad_value_raises(monkeypatch):

@@ -88,13 +88,18 @@ def _first_tensor(value):
     return None
 
 
-def _cut(_grad=None) -> None:
-    """Runs the pending Fused graph, its values left in their own shape (a chunk's cut)."""
+def _cut(grad=None) -> None:
+    """Runs the pending Fused graph, its values left in their own shape (a chunk's cut); a gradient
+    (the tensor hook's) is put in its own shape."""
     from tpudist.device import _fused
     from tpudist.device import _runtime as rt
 
-    if _fused._graph is not None and rt.get_mode() == "fused":  # noqa: SLF001
+    if rt.get_mode() != "fused":
+        return
+    if _fused._graph is not None:  # noqa: SLF001
         _fused.flush(shaped=True)
+    if grad is not None:
+        _in_own_shape(grad)
 
 
 def _hook_grad(value) -> None:
@@ -118,9 +123,30 @@ def _is_block(module) -> bool:
         return False
 
 
+def _in_own_shape(value) -> None:
+    """A block's input (or its output's gradient) held flat or in another shape is put in its own shape,
+    as a cut leaves the inputs of the later layers: the first layer then runs their programs where it
+    would have compiled its own, forward and backward (it saves its input). Flat: a sync point, not a
+    cut, ran the graph that made it (a model that reads a value to the host before its first layer);
+    another shape: a ``Linear`` on the last layer's output gives its gradient as (batch * seq, dim).
+    One reshape of that tensor a step."""
+    from tpudist.device._storage import Shaped, has_buffer
+
+    t = _first_tensor(value)
+    if t is None or t.device.type != "tpu" or t.dim() < 2 or not has_buffer(t) or not t.is_contiguous():
+        return
+    buf = t.untyped_storage()._tpudist_buffer  # noqa: SLF001
+    v = buf.value
+    array = v.array if v.__class__ is Shaped else v
+    if (getattr(array, "shape", None) not in (None, t.shape) and (v is not array or array.ndim == 1)
+            and t.storage_offset() == 0 and buf.numel == t.numel() and buf.dtype == t.dtype):
+        buf.value = Shaped(array.reshape(t.shape))
+
+
 def _pre(module, args):
     if not _compiling() and _is_block(module) and _active():  # a compiled graph has no Fused graph to cut
         _cut()
+        _in_own_shape(args)
         _hook_grad(args)  # its gradient is whole: this block's backward is done
 
 
