@@ -47,14 +47,13 @@ def execute(op, args, kwargs, whole=False):
     """Run one non-view op on tpu tensors in the current eager mode.
 
     The hot path of every op: a cache hit goes from the signature to the recorder (Fused) or the
-    jitted kernel (Strict) with no other call; anything else goes through ``_resolve``. In Fused mode
-    a foreach op over a model's parameters is recorded a layer's worth at a time (``_groups``), unless
-    ``whole``.
+    jitted kernel (Strict) with no other call; anything else goes through ``_resolve``. A foreach op
+    over a model's parameters runs a layer's worth at a time (``_groups``), unless ``whole``.
     """
     if kwargs and kwargs.get("generator") is not None:  # draw from the generator's stream, not the default
         return rt.run_with_generator(execute, op, args, kwargs)
     mode = rt.get_mode()
-    if mode == "fused" and not whole and _groups.eligible(op) and _parts.enabled():
+    if not whole and _groups.eligible(op) and _parts.enabled():
         grouped = _groups.run(op, args, kwargs, _whole)
         if grouped is not NotImplemented:
             return grouped

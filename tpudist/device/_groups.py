@@ -1,17 +1,18 @@
-"""Fused mode: a foreach op over a model's parameters is recorded a layer's worth at a time.
+"""A foreach op over a model's parameters is recorded (Fused) or run (Strict, Debug) a layer's worth at a time.
 
 An optimizer step is a few foreach ops over every parameter (AdamW's ``_foreach_lerp_``,
 ``_foreach_addcmul_``, ``_foreach_addcdiv_`` ...). Recorded whole, each op is one node over every
 tensor, and the step is one program of every parameter's update: on a TPU v5e the 158M-parameter
-benchmark model's took 18 s to compile, the largest part of its first step.
+benchmark model's took 18 s to compile, the largest part of its first step. Run whole in Strict
+mode, each op is one kernel over every tensor, compiled for that list alone.
 
 So where a foreach op's tensor lists repeat a run of shapes (a transformer's parameters: the
 embedding, the same nine tensors once per layer, the head), the op is recorded as one op per
 repeat, plus one for what comes before the repeats and one for what follows. Every op of the
 step is cut at the same places (the ranges depend on the shapes and dtypes alone), so a layer's
 update reads nothing of another's and ``_parts`` runs it as a program of its own: the first step
-compiles one layer's update and the rest, whatever the depth. More than ``MAX_GROUPS`` repeats are
-taken several at a time.
+compiles one layer's update and the rest, whatever the depth (in Strict mode, one kernel per op and
+range shape: the layers share theirs). More than ``MAX_GROUPS`` repeats are taken several at a time.
 
 A list is cut only when the repeats cover at least half of it and it has ``MIN_TENSORS`` tensors or
 more; ``TPUDIST_FUSED_BLOCKS=0`` (which also keeps a model's blocks in one program) turns this off.
