@@ -13,11 +13,10 @@ import threading
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import tpudist.device  # noqa: F401  (installs the "tpu" device)
+from test_device_fused_blocks import _check_equal, _recipe, _train  # the recipe's model trained against CPU eager
 from tpudist.device import _fused, _groups, _parts
-from tpudist.training.model import ModelArgs, Transformer
 
 E, A, B, N = ((50, 8), torch.float32), ((8, 8), torch.float32), ((4, 8), torch.float32), ((8,), torch.float32)
 
@@ -71,25 +70,6 @@ def test_lists_of_other_lengths_raise_torch_error(mode):
         torch._foreach_add_(xs, xs[:-1])
 
 
-def _recipe(layers: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return Transformer(ModelArgs(vocab_size=72, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, max_seq_len=16))
-
-
-def _train(model, device: str, steps: int = 3):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        x, y = torch.randint(0, 72, (2, 16), generator=g), torch.randint(0, 72, (2, 16), generator=g)
-        loss = F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, [p.detach().cpu() for p in model.parameters()]
-
-
 @pytest.mark.parametrize("mode", ["fused"], indirect=True)
 def test_optimizer_step_runs_a_layer_at_a_time(mode, monkeypatch):
     """AdamW trains as on the CPU, and the largest program built (counted in tensors read and written)
@@ -110,11 +90,8 @@ def test_optimizer_step_runs_a_layer_at_a_time(mode, monkeypatch):
         _fused._PROGRAMS.clear()  # noqa: SLF001
         built.clear()
         before = torch.tpu.cache_stats().get("parted_graphs", 0)
-        ref = _train(_recipe(layers), "cpu")
-        got = _train(_recipe(layers).to("tpu"), "tpu")
-        assert got[0] == pytest.approx(ref[0], rel=1e-5)
-        for g, r in zip(got[1], ref[1], strict=True):
-            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+        ref = _train(_recipe(32, layers), "cpu")
+        _check_equal(ref, _train(_recipe(32, layers).to("tpu"), "tpu"))
         largest.append(max(built))
         parted.append(torch.tpu.cache_stats().get("parted_graphs", 0) - before)
     assert largest[0] == largest[1], largest
