@@ -118,3 +118,37 @@ def test_independent_repeats_run_apart_unless_too_many(mode, count):
     for g, r in zip(got, run("cpu"), strict=True):
         torch.testing.assert_close(g, r)
     assert parted == (1 if count <= _parts.MAX_PARTS else 0)
+
+
+@pytest.mark.parametrize("mode", ["strict"], indirect=True)
+def test_strict_adamw_compiles_nothing_after_step_one(mode, monkeypatch):
+    """AdamW's state is made by kernels that read no array (zeros_like); their results are committed to
+    the device as every other kernel's are, so the kernels reading them in step 1 are the ones step 2
+    runs: no XLA compile after step 1 (every compile counted, whatever asked for it, JAX's persistent
+    cache's hits too: on a fresh chip each is a compile)."""
+    import jax._src.compiler as jax_compiler
+
+    compiles, original = [], jax_compiler.compile_or_get_cached
+
+    def counted(*args, **kwargs):
+        compiles.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(jax_compiler, "compile_or_get_cached", counted)
+    ref = _train(_recipe(48, 2), "cpu")
+    per_step = []
+    model = _recipe(48, 2).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        before = len(compiles)
+        x, y = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x.to("tpu")).flatten(0, 1), y.to("tpu").flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        per_step.append(len(compiles) - before)
+    assert losses == pytest.approx([loss for loss, _, _ in ref[0]], rel=1e-5)
+    assert per_step[0] > 0 and per_step[1:] == [0, 0], per_step

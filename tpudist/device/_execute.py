@@ -110,6 +110,10 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
         try:
             # no scalars: no float64 vector to put on the device per call (the kernel never reads one)
             outs = kernel.jitted(arrays, np.asarray(scalars, _F64)) if scalars else kernel.jitted_plain(arrays)
+            # made from no array (zeros_like: AdamW's state) a result is not committed to the device; every
+            # kernel reading it would compile again once it reads a committed one (Strict's step 2)
+            if outs and not getattr(outs[0], "_committed", True):
+                outs = jax.device_put(outs, rt.device())
         finally:
             X64.set_local(prev)
             if kernel.matmul:
