@@ -497,6 +497,11 @@ def render_tpu(record: dict) -> list[str]:
     if rows:
         out += ["Where the device time goes (JAX profiler, `benchmarks/xla_profile.py`; shares of op time):", ""]
         out += rows + [""]
+    builds = [f"- {_TPU_MODES.get(name, name)}: {mode['step1']['slowest_fused_builds']}."
+              for name, mode in _tpu_modes(p) if mode.get("status") == "ok" and mode["step1"].get("slowest_fused_builds")]
+    if builds:
+        out += ["Step 1's slowest Fused programs to build (trace, XLA compile; the ops each runs, most common first):",
+                ""] + builds + [""]
     return out
 
 
