@@ -28,6 +28,7 @@ from tpudist.device import _fused
 
 MIN_TENSORS = 16
 MAX_GROUPS = 16
+MAX_PERIOD = 512  # tensors in one repeat at most (a layer's parameters): bounds the search on huge lists
 _ELIGIBLE: dict = {}   # op -> whether it is a foreach op this module cuts
 _RANGES: dict = {}     # the lists' (shape, dtype)s -> their ranges, or None: not cut
 
@@ -87,9 +88,9 @@ def cut(signature) -> tuple | None:
 
 def _longest_repeat(s):
     """(start, period, repeats) of the run ``s[start:start + period]`` repeated ``repeats`` (>= 2) times in
-    a row that covers most of ``s`` (the shortest period of those), or None. O(n^2), once per list."""
+    a row that covers most of ``s`` (the shortest period of those), or None. O(n * MAX_PERIOD), once per list."""
     n, best = len(s), None
-    for period in range(1, n // 2 + 1):
+    for period in range(1, min(n // 2, MAX_PERIOD) + 1):
         run = 0  # s[i - run + 1 .. i] each equal to the element a period later
         for i in range(n - period + 1):
             if i < n - period and s[i] == s[i + period]:
