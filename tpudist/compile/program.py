@@ -406,9 +406,16 @@ class GraphProgram:
         return seed.numpy().astype(np.uint32)
 
     def _device_key(self):
+        """The program's random key on its device: drawn for each call of a program that draws, else
+        one zero key, put on the device once (a host-to-device copy before every dispatch otherwise)."""
         import jax
 
-        return jax.device_put(self._key_data(), self._device)
+        if self._exe.num_keys:
+            return jax.device_put(self._key_data(), self._device)
+        key = _ZERO_KEYS.get(self._device)
+        if key is None:
+            key = _ZERO_KEYS[self._device] = jax.device_put(np.zeros(2, np.uint32), self._device)
+        return key
 
     def _consts(self) -> list:
         if self._const_arrays is None:
@@ -493,6 +500,9 @@ class GraphProgram:
             return t
         val = self._output_nodes[index].meta["val"]
         return boundary.over_memory_of(t, val.shape, val.stride())
+
+
+_ZERO_KEYS: dict = {}  # device -> the zero key of programs that draw nothing (_device_key)
 
 
 def _dense_order(val) -> tuple[int, ...] | None:
