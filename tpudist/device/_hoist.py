@@ -73,7 +73,9 @@ def split(nodes: list, live: list, num_scalars: int) -> Split | None:
     init_nodes = tuple((nodes[i][0], (None,) * len(nodes[i][1]), 0) for i in hoisted)  # each reads no array
     init_scalars = tuple(np.arange(bases[i], bases[i + 1], dtype=np.int64) for i in hoisted)
     made = {v: j for j, v in enumerate(v for i in hoisted for v in _produced(i, producer))}
-    main_nodes, main_scalars, main_inputs, renumbered = _rest(nodes, bases, set(hoisted), producer, made)
+    split_off = set(hoisted)
+    kept = [i for i in range(len(nodes)) if i not in split_off]
+    main_nodes, main_scalars, main_inputs, renumbered = subgraph(nodes, bases, kept, producer, made)
     main_live, sources = [], []
     for v in live:
         if v in renumbered:
@@ -87,14 +89,15 @@ def split(nodes: list, live: list, num_scalars: int) -> Split | None:
                  np.asarray(main_scalars, np.int64), tuple(main_inputs), tuple(sources))
 
 
-def _rest(nodes: list, bases: list, hoisted: set, producer: list, made: dict) -> tuple:
-    """The graph without the ``hoisted`` nodes, as ``_fused.record`` would have numbered it had their
-    results been concrete arrays: values renumbered in order, inputs (the graph's, or the init's
-    results, which ``made`` numbers) numbered at their first read, scalars packed."""
+def subgraph(nodes: list, bases: list, kept: list, producer: list, made: dict) -> tuple:
+    """The graph of the nodes ``kept`` (ascending), as ``_fused.record`` would have numbered it had the
+    others' results been concrete arrays: values renumbered in order, inputs (the graph's, or the
+    others' results that ``made`` numbers) numbered at their first read, scalars packed. Returns its
+    nodes, the graph's scalar indices it reads, where each of its inputs comes from (``k >= 0`` the
+    graph's input k, ``-1 - j`` made value j) and each kept value's new number. Also ``_parts``'s."""
     main_nodes, main_scalars, main_inputs, input_of, renumbered = [], [], [], {}, {}
-    for i, (kernel, refs, base) in enumerate(nodes):
-        if i in hoisted:
-            continue
+    for i in kept:
+        kernel, refs, base = nodes[i]
         new_refs = []
         for r in refs:
             if r is not None and r >= 0 and r in renumbered:

@@ -94,23 +94,7 @@ def _shape(p: Part):
 
 def _part(nodes, bases, producer, indices, live) -> Part:
     """The graph of ``nodes[indices]`` (a set closed under the values they read), numbered as ``record``
-    would have: values in order, the graph's inputs at their first read, scalars packed."""
-    part_nodes, scalars, inputs, input_of, renumbered = [], [], [], {}, {}
-    for i in indices:
-        kernel, refs, base = nodes[i]
-        new_refs = []
-        for r in refs:
-            if r is not None and r >= 0:
-                r = renumbered[r]
-            elif r is not None:
-                if r not in input_of:
-                    input_of[r] = len(inputs)
-                    inputs.append(-1 - r)
-                r = -1 - input_of[r]
-            new_refs.append(r)
-        part_nodes.append((kernel, tuple(new_refs), len(scalars)))
-        scalars.extend(range(base, bases[i + 1]))
-        for v in _hoist._produced(i, producer):  # noqa: SLF001
-            renumbered[v] = len(renumbered)
+    would have (``_hoist.subgraph``), its results the live values ``live`` ((position, value) pairs)."""
+    part_nodes, scalars, inputs, renumbered = _hoist.subgraph(nodes, bases, indices, producer, {})
     return Part(tuple(part_nodes), tuple(inputs), np.asarray(scalars, np.int64),
                 tuple(renumbered[v] for _, v in live), tuple(position for position, _ in live))
