@@ -28,8 +28,9 @@ then ``--steps`` steps (each synced: ``loss.item()`` and ``torch.tpu.synchronize
 MFU; then ``--unsynced-steps`` steps read once at the end, as a loop that logs every N steps runs (the
 host dispatches the next step while the chip runs this one): their mean step. Then ``--profile-steps``
 steps under JAX's profiler (``xla_profile.py``): the device's busy time against the wall time (the
-gap is host work, dispatch and idle), programs per step, op time by category, the top ops. All step-1 losses are printed: equal weights and batch give equal losses
-(bf16 rounding apart), evidence that every mode trains the same model.
+gap is host work, dispatch and idle), programs per step, op time by category, the top ops. All
+step-1 losses are printed: equal weights and batch give equal losses (bf16 rounding apart),
+evidence that every mode trains the same model.
 
 FLOPs per step (the MFU numerator, one convention for every mode):
 ``6 * N * tokens + 6 * n_layers * seq^2 * dim * batch``: ``N`` the parameters that multiply in

@@ -124,7 +124,8 @@ class _SyncsFirst(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(64, 24)
         self.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(24), torch.nn.Linear(24, 24), torch.nn.GELU()) for _ in range(layers))
+            torch.nn.Sequential(torch.nn.LayerNorm(24), torch.nn.Linear(24, 24), torch.nn.GELU())
+            for _ in range(layers))
         self.head = torch.nn.Linear(24, 64)
 
     def forward(self, x):

@@ -37,11 +37,9 @@ def device_value(t: torch.Tensor, shaped: bool):
     if buf.value.__class__ is _core.Lazy:
         _core.flush()
     value, shape = buf.value, tuple(t.shape)
-    numel = math.prod(shape)
-    if (value is not None and t.is_contiguous() and t.storage_offset() == 0 and buf.numel == numel
-            and buf.dtype == t.dtype):
+    if value is not None and _core.is_whole(t, buf):
         array = value.array if value.__class__ is _core.Shaped else value
-        if array.shape == (shape if shaped else (numel,)):
+        if array.shape == (shape if shaped else (math.prod(shape),)):
             return array
     value = _core.value_of(t)
     return value if shaped else value.reshape(-1)

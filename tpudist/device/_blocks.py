@@ -130,16 +130,16 @@ def _in_own_shape(value) -> None:
     cut, ran the graph that made it (a model that reads a value to the host before its first layer);
     another shape: a ``Linear`` on the last layer's output gives its gradient as (batch * seq, dim).
     One reshape of that tensor a step."""
-    from tpudist.device._storage import Shaped, has_buffer
+    from tpudist.device._storage import Shaped, buffer_of, has_buffer, is_whole
 
     t = _first_tensor(value)
-    if t is None or t.device.type != "tpu" or t.dim() < 2 or not has_buffer(t) or not t.is_contiguous():
+    if t is None or t.device.type != "tpu" or t.dim() < 2 or not has_buffer(t):
         return
-    buf = t.untyped_storage()._tpudist_buffer  # noqa: SLF001
+    buf = buffer_of(t)
     v = buf.value
     array = v.array if v.__class__ is Shaped else v
     if (getattr(array, "shape", None) not in (None, t.shape) and (v is not array or array.ndim == 1)
-            and t.storage_offset() == 0 and buf.numel == t.numel() and buf.dtype == t.dtype):
+            and is_whole(t, buf)):
         buf.value = Shaped(array.reshape(t.shape))
 
 

@@ -39,7 +39,7 @@ from tpudist.device import views
 from tpudist.device import _storage
 from tpudist.device._storage import (  # noqa: F401  (re-exported: the kernels module uses them from here)
     _ATTR, X64, Buffer, Lazy, Shaped, _create_empty, _fast, _retype, buffer_of, concrete, flush, from_cpu, is_tpu,
-    new_tensor, tensor_over, to_cpu, to_jax, to_torch, value_of, warn_if_emulated,
+    is_whole, new_tensor, tensor_over, to_cpu, to_jax, to_torch, value_of, warn_if_emulated,
 )
 
 aten = torch.ops.aten

@@ -58,6 +58,12 @@ def has_buffer(t: torch.Tensor) -> bool:
     return getattr(t.untyped_storage(), _ATTR, None) is not None
 
 
+def is_whole(t: torch.Tensor, buf: Buffer) -> bool:
+    """Whether ``t`` is its storage's (``buf``'s) whole row-major view: the storage's array, flat or
+    reshaped to ``t``'s shape, is ``t``'s values."""
+    return t.is_contiguous() and t.storage_offset() == 0 and buf.numel == t.numel() and buf.dtype == t.dtype
+
+
 def is_tpu(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "tpu"
 
