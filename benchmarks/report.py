@@ -466,11 +466,15 @@ def render_tpu(record: dict) -> list[str]:
                    f"{mode['mfu'] * 100:.1f}% | {unsynced} | {busy} | {progs} | {mode['step1']['loss']:.5f} |")
     out += [""] + notes + ([""] if notes else [])
     added = p.get("added_from") or {}
-    if added.get("modes"):
-        when = f"the run of {added['started_utc']}" if added.get("started_utc") else f"`{added['path']}`"
-        out += [f"Kept from {when}" + (f" (`{added['command']}`)" if added.get("command") else "") + ": "
-                + ", ".join(_TPU_MODES.get(k, k) for k in added["modes"])
-                + "; the ratios below compare modes of the two runs (and of the code each ran).", ""]
+    by_run: dict = {}  # the run that measured each kept mode (older JSONs name only the file they came from)
+    for k in added.get("modes", []):
+        run = p["modes"].get(k, {}).get("run") or added
+        by_run.setdefault((run.get("started_utc"), run.get("command")), []).append(k)
+    for (started, command), kept in by_run.items():
+        when = f"the run of {started}" if started else f"`{added['path']}`"
+        out += [f"Kept from {when}" + (f" (`{command}`)" if command else "") + ": "
+                + ", ".join(_TPU_MODES.get(k, k) for k in kept)
+                + "; the ratios below compare modes of different runs (and of the code each ran).", ""]
     if p.get("first_loss_rel_diff_vs_twin"):
         out += ["Step-1 loss against the twin's (same weights and batch; bf16 rounding apart they are one model): "
                 + ", ".join(f"{_TPU_MODES.get(k, k)} {v:.1e}" for k, v in p["first_loss_rel_diff_vs_twin"].items())

@@ -690,10 +690,10 @@ def _add_earlier(a, results: dict, log: Log) -> None:
         raise ValueError(f"--add-to {a.add_to} measured another model or batch: (earlier, now) {mismatch}; "
                          "pass the same sizes")
     kept = [k for k in earlier["modes"] if k not in a.modes]
-    for k in kept:
-        results["modes"][k] = {**earlier["modes"][k], "from": a.add_to}
-    results["added_from"] = {"path": a.add_to, "modes": kept, "started_utc": record.get("started_utc"),
-                             "command": record.get("command")}
+    here = {"started_utc": record.get("started_utc"), "command": record.get("command")}
+    for k in kept:  # a mode the earlier JSON itself kept names the run that measured it, not that JSON's
+        results["modes"][k] = {**earlier["modes"][k], "from": a.add_to, "run": earlier["modes"][k].get("run", here)}
+    results["added_from"] = {"path": a.add_to, "modes": kept, **here}
     log(f"kept from {a.add_to}: {', '.join(kept) or 'nothing'}")
 
 
