@@ -5,6 +5,7 @@ and flag (QR modes, UPLO, upper, left/adjoint solves, pivots), torch's error che
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 import torch
 
@@ -129,3 +130,42 @@ def test_bad_arguments_raise_as_cpu():
         with pytest.raises(RuntimeError) as ours:
             run_on_jax(fn, a, jit=False)
         assert str(ours.value).splitlines()[0] == str(cpu.value).splitlines()[0]
+
+
+# -- 64-bit integer products on a TPU ------------------------------------------------------------------
+# XLA:TPU refuses a 64-bit integer dot ("While rewriting computation to not contain X64 element types ...
+# not implemented"): there mm/bmm/matmul/dot/addmm of int64 run as products and sums (linalg.int64_matmul).
+
+_INT64_SHAPES = [((5,), (5,)), ((3, 5), (5,)), ((5,), (5, 4)), ((3, 5), (5, 4)), ((2, 3, 5), (2, 5, 4)),
+                 ((2, 1, 3, 5), (4, 5, 6)), ((7, 300), (300, 9))]
+
+
+@pytest.mark.parametrize("block", [1 << 22, 7, 1], ids=["whole", "blocks", "one"])
+def test_int64_matmul_without_a_dot_wraps_like_torch(block, monkeypatch):
+    from tpudist.ops.lowerings import linalg
+
+    monkeypatch.setattr(linalg, "_INT64_BLOCK", block)
+    g = torch.Generator().manual_seed(0)
+    with jax.enable_x64(True):
+        for xs, ys in _INT64_SHAPES:  # values near 2**62: the products and sums wrap around
+            x = torch.randint(-2**62, 2**62, xs, generator=g, dtype=torch.int64)
+            y = torch.randint(-2**62, 2**62, ys, generator=g, dtype=torch.int64)
+            got = jax.jit(linalg.int64_matmul)(x.numpy(), y.numpy())
+            assert torch.equal(torch.from_numpy(np.asarray(got)), torch.matmul(x, y)), (xs, ys)
+
+
+def test_int64_products_lower_for_tpu_without_a_64_bit_dot():
+    import jax.numpy as jnp
+
+    from tpudist.ops.lowerings import linalg
+
+    def lowered(fn, platform, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+    with jax.enable_x64(True):
+        bias, x, y = jnp.ones((3, 4), jnp.int64), jnp.ones((2, 3, 5), jnp.int64), jnp.ones((2, 5, 4), jnp.int64)
+        for fn, args in ((linalg.matmul, (x, y)), (lambda b, x, y: linalg.addmm(b, x, y, beta=2, alpha=3), (bias, x, y)),
+                         (linalg.matmul, (x[0, 0], y[0, :, 0]))):
+            assert "dot_general" in lowered(fn, "cpu", *args)  # CPU keeps XLA's integer dot
+            tpu = lowered(fn, "tpu", *args)
+            assert "dot_general" not in tpu, tpu[:2000]

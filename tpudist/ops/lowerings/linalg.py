@@ -5,6 +5,8 @@ bf16/f16 products accumulate in float32 (``preferred_element_type``), as torch's
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import torch
@@ -19,7 +21,48 @@ def _matmul(x, y):
     x, y = promote(x, y)
     if x.dtype in LOW_PRECISION:
         return jnp.matmul(x, y, preferred_element_type=jnp.float32)
+    if x.dtype in (jnp.int64, jnp.uint64):  # XLA:TPU has no 64-bit integer dot (it refuses to compile one)
+        return jax.lax.platform_dependent(x, y, tpu=int64_matmul, default=jnp.matmul)
     return jnp.matmul(x, y)
+
+
+_INT64_BLOCK = 1 << 22  # elements of one block's products
+
+
+def int64_matmul(x, y):
+    """``jnp.matmul`` of 64-bit integers without a dot: products and sums, which XLA:TPU splits into
+    32-bit halves as it does any 64-bit integer arithmetic (wrapping like torch's). The contraction
+    runs in blocks of at most ``_INT64_BLOCK`` products (a loop when there are several)."""
+    xv = x[None, :] if x.ndim == 1 else x
+    yv = y[:, None] if y.ndim == 1 else y
+    k = xv.shape[-1]
+    if k != yv.shape[-2]:
+        return jnp.matmul(x, y)  # jnp's own shape error
+    batch = jnp.broadcast_shapes(xv.shape[:-2], yv.shape[:-2])
+    m, n = xv.shape[-2], yv.shape[-1]
+    xv = jnp.broadcast_to(xv, batch + xv.shape[-2:])
+    yv = jnp.broadcast_to(yv, batch + yv.shape[-2:])
+    block = max(1, min(k, _INT64_BLOCK // max(1, math.prod(batch) * m * n)))
+
+    def products(xs, ys):
+        return jnp.sum(xs[..., :, :, None] * ys[..., None, :, :], axis=-2)
+
+    if block >= k:
+        out = products(xv, yv)
+    else:
+        steps = -(-k // block)
+        pad = steps * block - k  # zeros add nothing
+        xv = jnp.pad(xv, [(0, 0)] * (xv.ndim - 1) + [(0, pad)])
+        yv = jnp.pad(yv, [(0, 0)] * (yv.ndim - 2) + [(0, pad), (0, 0)])
+
+        def step(i, acc):
+            xs = jax.lax.dynamic_slice_in_dim(xv, i * block, block, axis=xv.ndim - 1)
+            ys = jax.lax.dynamic_slice_in_dim(yv, i * block, block, axis=yv.ndim - 2)
+            return acc + products(xs, ys)
+
+        out = jax.lax.fori_loop(0, steps, step, jnp.zeros(batch + (m, n), x.dtype))
+    drop = ((out.ndim - 2,) if x.ndim == 1 else ()) + ((out.ndim - 1,) if y.ndim == 1 else ())
+    return jnp.squeeze(out, drop) if drop else out
 
 
 @lowers(aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default, aten.vdot.default)
