@@ -455,7 +455,7 @@ def load_or_compile(kind: str, key_parts: Any, jitted: Any, args: tuple, devices
     meta = meta_fn() if meta_fn else {}
     out = _tree_to_json(jax.tree.unflatten(compiled.out_tree, range(compiled.out_tree.num_leaves)))
     if (_jax_cache_hits[0] == hits and compiled.in_tree == in_tree and out is not None
-            and jax.tree.structure(_tree_from_json(out)) == compiled.out_tree and not _has_host_callbacks(compiled)):
+            and jax.tree.structure(_tree_from_json(out)) == compiled.out_tree and not has_host_callbacks(compiled)):
         try:
             payload, _, _ = serialize_executable.serialize(compiled)
         except (ValueError, NotImplementedError, TypeError) as e:
@@ -465,7 +465,7 @@ def load_or_compile(kind: str, key_parts: Any, jitted: Any, args: tuple, devices
     return compiled, meta, False
 
 
-def _has_host_callbacks(compiled: Any) -> bool:
+def has_host_callbacks(compiled: Any) -> bool:
     """Whether the executable calls back into this process's Python (``jax.debug.callback``, the
     device's runtime asserts): those functions cannot be stored with it (JAX's pickle refuses them)."""
     unloaded = getattr(compiled._executable, "_unloaded_executable", None)  # noqa: SLF001 - what serialize reads

@@ -271,6 +271,40 @@ def test_assertions_raise_on_the_device(dev, mode):
     assert "functional message" in out["functional"]
 
 
+def run_host_check_waits(mode):
+    """How often a program with an assert, then one without, waited for its host checks."""
+    import tpudist.device  # noqa: F401
+    from tpudist.ops import host_checks
+
+    calls, real = [], host_checks.raise_failed
+    host_checks.raise_failed = lambda: (calls.append(1), real())[1]
+    try:
+        if mode == "compiled":  # torch.linalg.inv checks its factorization's info on the host
+            import tpudist.compile  # noqa: F401 - the "tpu" compile backend
+
+            checked = torch.compile(torch.linalg.inv, backend="tpu", fullgraph=True, dynamic=False)
+            plain = torch.compile(lambda x: x * 2, backend="tpu", fullgraph=True, dynamic=False)
+        else:
+            checked = lambda x: torch._assert_async((x + 1).sum())  # noqa: E731
+            plain = lambda x: x * 2  # noqa: E731
+        with torch.tpu.eager_mode("strict" if mode == "compiled" else mode):
+            for _ in range(2):  # traced, then from the caches
+                checked(torch.eye(3, device="tpu"))
+                torch.tpu.synchronize()
+            with_assert = len(calls)
+            plain(torch.ones(3, device="tpu")).sum().item()
+        return with_assert, len(calls) - with_assert
+    finally:
+        host_checks.raise_failed = real
+
+
+@pytest.mark.parametrize("mode", [*ALL_MODES, "compiled"])
+def test_a_program_with_an_assert_waits_for_its_host_check(dev, mode):
+    # a TPU's runtime gives a failed host check's error to the program's runtime token alone, not to the
+    # call (XLA:CPU raises it in the call): the device waits on the token after such a program, each run
+    assert dev(run_host_check_waits, mode) == (2, 0)
+
+
 # -- the CPU fallback ------------------------------------------------------------------------------------
 
 
@@ -337,6 +371,8 @@ def run_memory_api():
 
     tpu = torch.tpu
     out = {}
+    (torch.ones(1000, 257, device="tpu") * 2).sum().item()  # its programs loaded first: a TPU's allocator
+    # counts them too
     gc.collect()
     tpu.synchronize()
     tpu.reset_peak_memory_stats()

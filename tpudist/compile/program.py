@@ -43,6 +43,7 @@ from tpudist import _strides
 from tpudist import matmul_precision as precision
 from tpudist.compile import boundary, device_io
 from tpudist.compile.errors import UnsupportedGraph, missing_op_error, user_line
+from tpudist.ops import host_checks
 
 
 @dataclass(slots=True)
@@ -119,6 +120,7 @@ def clear_cache() -> None:
 class _Executable:
     compiled: Any  # jax.stages.Compiled
     num_keys: int  # random keys the program draws (0: no torch RNG is consumed)
+    host_checks: bool = False  # it checks values on the host (an assert: tpudist.ops.host_checks)
 
 
 _jax_cache_hits = [0]
@@ -384,7 +386,7 @@ class GraphProgram:
             found = sorted({op for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                                           "collective-permute") if f" {op}(" in text or f"{op}-start(" in text})
             STATS.collective_programs.append((self.name, tuple(found)))
-        return _Executable(compiled, num_keys[0])
+        return _Executable(compiled, num_keys[0], program_cache.has_host_callbacks(compiled))
 
     def _load_or_export(self, traced, args: tuple, num_keys: list):
         """The traced program as a ``jax.export`` module, from tpudist's program cache where any
@@ -432,6 +434,8 @@ class GraphProgram:
         consts = self._consts()
         start, start_cpu = time.perf_counter(), time.thread_time()
         outs = self._exe.compiled(key_data, consts, *arrays)
+        if self._exe.host_checks:
+            host_checks.raise_failed()
         jax.block_until_ready(outs)  # inputs (and temporaries in keep) are read by now
         _add(STATS.program_seconds, self.name, time.perf_counter() - start)
         _add(STATS.program_cpu_seconds, self.name, time.thread_time() - start_cpu)
@@ -439,9 +443,12 @@ class GraphProgram:
 
     def _run_on_device(self, tensors: list) -> list:
         try:
-            return self._exe.compiled(self._device_key(), self._consts(),
+            outs = self._exe.compiled(self._device_key(), self._consts(),
                                       *[device_io.program_input(t, self._device, shaped)
                                         for t, shaped in zip(tensors, self._shaped_in)])
+            if self._exe.host_checks:
+                host_checks.raise_failed()
+            return outs
         except Exception as e:
             results = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self._result_types)
             device_io.raise_if_oom(e, f"the compiled {self.name} graph's program", results)

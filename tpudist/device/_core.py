@@ -67,6 +67,7 @@ class Kernel:
 
     present = None  # functional ops with None among torch's results: which flattened results are tensors
     matmul = False  # whether torch's float32 matmul precision decides its program (set by ``check``)
+    host_checks = False  # whether its program checks values on the host (an assert: tpudist.ops.host_checks)
 
     def __init__(self, op, functional, form, treedef, leaf_specs, slots, plan, n_scalars, random,
                  fresh, returns):

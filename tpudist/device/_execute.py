@@ -29,6 +29,7 @@ from tpudist.device._storage import (
     X64, Lazy, Shaped, buffer_of, concrete, flush, from_cpu, is_tpu, new_tensor, to_jax, to_torch, value_of,
 )
 from tpudist.device._storage import outputs as _outputs
+from tpudist.ops import host_checks
 
 aten = torch.ops.aten
 
@@ -108,8 +109,12 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
         prev_precision = PRECISION.swap_local(precision.jax_name(precision.current())) if kernel.matmul else None
         prev = X64.swap_local(True)  # what jax.enable_x64(True) does, without a context manager per op
         try:
+            traced = host_checks.TRACED[0]
             # no scalars: no float64 vector to put on the device per call (the kernel never reads one)
             outs = kernel.jitted(arrays, np.asarray(scalars, _F64)) if scalars else kernel.jitted_plain(arrays)
+            if kernel.host_checks or host_checks.TRACED[0] != traced:  # an assert: its error comes out here
+                kernel.host_checks = True
+                host_checks.raise_failed()
             # made from no array (zeros_like: AdamW's state) a result is not committed to the device; every
             # kernel reading it would compile again once it reads a committed one (Strict's step 2)
             if outs and not getattr(outs[0], "_committed", True):

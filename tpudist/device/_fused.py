@@ -43,6 +43,7 @@ from tpudist.device import _runtime as rt
 from tpudist.device._core import result_of
 from tpudist.device._storage import _ATTR, X64, Lazy, Shaped, _source_fingerprint
 from tpudist.device._storage import outputs as _outputs
+from tpudist.ops import host_checks
 
 _CAP_ENV = "TPUDIST_FUSED_MAX_OPS"
 _SPLIT_ENV = "TPUDIST_FUSED_SPLIT_BACKWARD"
@@ -50,6 +51,7 @@ _CHUNK_ENV = "TPUDIST_FUSED_FORWARD_CHUNK"
 _BACKWARD_CHUNK_ENV = "TPUDIST_FUSED_BACKWARD_CHUNK"
 assert _ATTR == "_tpudist_buffer"  # record() sets the storage's buffer under this name
 _PROGRAMS: dict = {}
+_HOST_CHECKS: set = set()  # keys of the programs that check values on the host (tpudist.ops.host_checks)
 _STATS_LOCK = threading.Lock()  # programs are built in threads (_cached_all): their counts add up under it
 
 
@@ -466,6 +468,7 @@ def flush(shaped: bool = False) -> None:
         t1 = time.perf_counter()
         program = _PROGRAMS.get(key)
         compiling = program is None
+        traced = host_checks.TRACED[0]  # moved by building a program that checks values on the host
         try:
             if compiling:
                 program = _PROGRAMS[key] = _build(g, live, sc, shaped)
@@ -474,6 +477,9 @@ def flush(shaped: bool = False) -> None:
                 outs = program(g.inputs, sc)
             finally:
                 X64.set_local(prev)
+            if key in _HOST_CHECKS or host_checks.TRACED[0] != traced:  # an assert: its error comes out here
+                _HOST_CHECKS.add(key)
+                host_checks.raise_failed()
         except Exception as e:
             # the graph did not run: storages it wrote go back to their values before it (as at the last
             # sync), storages it made stay unwritten; nothing is left pending

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from tpudist.ops.host_checks import host_check
 from tpudist.ops.lowerings._util import is_array
 from tpudist.ops.registry import lowers
 
@@ -32,7 +33,7 @@ def check(value, message: str) -> None:
     if is_array(value) and value.size != 1:
         raise RuntimeError("Boolean value of Tensor with more than one value is ambiguous")
     if isinstance(value, jax.core.Tracer):
-        jax.debug.callback(_raise_if_zero, value.reshape(()) != 0, message)
+        host_check(_raise_if_zero, value.reshape(()) != 0, message)
     else:
         _raise_if_zero(jnp.asarray(value).reshape(()) != 0, message)
 

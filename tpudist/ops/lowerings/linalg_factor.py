@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from jax._src.lax import linalg as lax_linalg  # geqrf: not exported by jax.lax.linalg (JAX 0.10)
 
+from tpudist.ops.host_checks import host_check
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten
@@ -46,7 +47,7 @@ def check_info(info, api_name: str, is_matrix: bool) -> None:
     """torch's ``_linalg_check_errors``: raise where ``info`` is nonzero, now (a concrete value) or when
     the program runs (a traced one: a host callback, as ``_assert_async`` does)."""
     if isinstance(info, jax.core.Tracer):
-        jax.debug.callback(functools.partial(_raise_like_torch, api_name=api_name, is_matrix=is_matrix), info)
+        host_check(functools.partial(_raise_like_torch, api_name=api_name, is_matrix=is_matrix), info)
     else:
         _raise_like_torch(info, api_name, is_matrix)
 
