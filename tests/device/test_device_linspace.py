@@ -45,3 +45,38 @@ def linspace_mismatches(mode: str) -> list:
 @pytest.mark.parametrize("mode", ["strict", "fused"])
 def test_linspace_equals_cpu(dev, mode):
     assert dev(linspace_mismatches, mode) == []
+
+
+def linspace_mismatches_on_host(mode: str) -> tuple:
+    """``linspace_mismatches`` with the real results computed on the host, as on a TPU
+    (``factories.LINSPACE_ON_HOST``), at lengths no other test builds a kernel for; and how often the
+    host computed them."""
+    import torch
+
+    import tpudist.device  # noqa: F401
+    from tpudist.ops.lowerings import factories
+
+    torch.tpu.set_eager_mode(mode)
+    platforms, on_host, calls = factories.LINSPACE_ON_HOST, factories._linspace_on_host, []
+    factories.LINSPACE_ON_HOST = ("cpu", "tpu")
+    factories._linspace_on_host = lambda *a: (calls.append(a), on_host(*a))[1]
+    try:
+        bad = []
+        for name in DTYPES:
+            dtype = getattr(torch, name)
+            for steps in (3, 13, 501):
+                for start, end in RANGES:
+                    want = torch.linspace(start, end, steps, dtype=dtype)
+                    got = torch.linspace(start, end, steps, dtype=dtype, device="tpu").cpu()
+                    if got.dtype != want.dtype or not torch.equal(got, want):
+                        bad.append((name, steps, start, end, int((got != want).sum())))
+        return bad, len(calls)
+    finally:
+        factories.LINSPACE_ON_HOST, factories._linspace_on_host = platforms, on_host
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_linspace_on_the_host_equals_cpu(dev, mode):
+    bad, host_calls = dev(linspace_mismatches_on_host, mode)
+    assert bad == []
+    assert host_calls >= len(DTYPES) * 3 * len(RANGES)
