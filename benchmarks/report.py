@@ -419,7 +419,8 @@ def render() -> None:
     print(f"wrote {PAGE.relative_to(ROOT)} and {PLOTS.relative_to(ROOT)}/*.png")
 
 
-_TPU_MODES = {"twin": "JAX twin", "compiled": "compiled", "layers": "compiled per layer", "fused": "Fused",
+_TPU_MODES = {"twin": "JAX twin", "compiled": "compiled", "compiled_shaped": "compiled, N-d storages",
+              "layers": "compiled per layer", "fused": "Fused", "fused_shaped": "Fused, N-d storages",
               "hf": "HF Llama (Fused)", "strict": "Strict"}
 
 

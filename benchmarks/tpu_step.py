@@ -19,7 +19,9 @@ against), every mode from the same initial weights and the same batches:
 - ``hf``: Hugging Face's ``LlamaForCausalLM`` of the same sizes in Fused mode, with the recipe's
   weights (q/k rows permuted from interleaved rotary pairs to rotate-half), skipped without transformers;
 - ``layers`` (only when named): each layer compiled (``layer.compile(backend="tpu")``, torchtitan's
-  way; every layer runs the same two programs), the embedding, head, loss and AdamW in Fused mode.
+  way; every layer runs the same two programs), the embedding, head, loss and AdamW in Fused mode;
+- ``compiled_shaped``, ``fused_shaped`` (only when named): compiled and Fused with
+  ``TPUDIST_SHAPED_STORAGE=1`` (N-d storages stay N-d between programs), against the same modes without.
 
 Per mode: step 1 and step 2 timed apart with what each compiled (XLA compiles seen by JAX's
 monitoring events, the device's Fused programs and op kernels, torch.compile's programs),
@@ -56,6 +58,7 @@ into an empty tpudist/JAX cache, so first steps show real compile times.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime as dt
 import gc
@@ -75,12 +78,15 @@ if HERE not in sys.path:
 
 PEAK_FLOPS = 197e12  # TPU v5e bf16 peak, 197 TFLOP/s per chip (Google Cloud's TPU v5e page)
 MODES = ("twin", "compiled", "fused", "hf", "strict")
-EXTRA_MODES = ("layers",)  # run only when named in --modes
+EXTRA_MODES = ("layers", "compiled_shaped", "fused_shaped")  # run only when named in --modes
+# modes that are another mode with device settings of their own: an A/B of a switch in one run
+MODE_SETTINGS = {"compiled_shaped": ("compiled", {"TPUDIST_SHAPED_STORAGE": "1"}),
+                 "fused_shaped": ("fused", {"TPUDIST_SHAPED_STORAGE": "1"})}
 # Seconds the first two steps take on the chip at the default size, cold caches, with a margin: measured
 # 2026-12-06 (Fused blocks and optimizer parts), twin 27 s, compiled 49 s, compiled per layer 22 s, Fused 31 s,
 # HF Llama 33 s; Strict 158 s (2026-12-05).
 EXPECTED_FIRST_STEPS_S = {"twin": 45.0, "compiled": 75.0, "fused": 55.0, "hf": 55.0, "strict": 170.0,
-                          "layers": 40.0}
+                          "layers": 40.0, "compiled_shaped": 75.0, "fused_shaped": 55.0}
 TARGETS = (  # (key, what, comparison, bar): issue #37
     ("compiled_over_twin_tokens", "compiled tokens/s / twin tokens/s", ">=", 0.9),
     ("compiled_mfu", "compiled MFU", ">=", 0.40),
@@ -359,6 +365,7 @@ def make_torch(mode: str, base, args, batches, hp) -> Runner:
     import tpudist.device  # noqa: F401
 
     watch_fused_builds()
+    mode = MODE_SETTINGS.get(mode, (mode, {}))[0]  # compiled_shaped: compiled, under its settings
     eager = "strict" if mode == "strict" else "fused"
     model = (hf_from_recipe(base, args) if mode == "hf" else copy.deepcopy(base)).to("tpu")
     opt = torch.optim.AdamW(model.parameters(), **hp.torch_kwargs())
@@ -520,6 +527,9 @@ def ratios(modes: dict) -> dict:
     for k in step:
         if k != "twin" and "twin" in step:
             out[f"{k}_over_twin_step"] = step[k] / step["twin"]
+    for k, (base, _) in MODE_SETTINGS.items():
+        if k in step and base in step:
+            out[f"{k}_over_{base}_step"] = step[k] / step[base]
     return out
 
 
@@ -622,51 +632,68 @@ def _run(a, argv, started, t_start, log) -> None:
     if a.add_to:
         _add_earlier(a, results, log)
     for mode in a.modes:
-        elapsed = time.perf_counter() - t_start
-        expected = EXPECTED_FIRST_STEPS_S[mode]
-        settings = device_settings() if mode != "twin" else {}
-        log(f"\n[{mode}] at {elapsed:.0f} s" + "".join(f"; {k}={v}" for k, v in settings.items()))
-        if elapsed + expected > a.deadline_s:
-            why = (f"its first steps (~{expected:.0f} s on the chip) would end after --deadline-s {a.deadline_s:.0f} "
-                   f"(now {elapsed:.0f} s); run it alone with --modes {mode}")
-            log(f"  skipped: {why}")
-            results["modes"][mode] = {"status": "skipped", "why": why}
-            continue
-        if mode == "hf":
-            try:
-                import transformers  # noqa: F401
-            except ImportError as e:
-                log(f"  skipped: transformers is not importable ({e})")
-                results["modes"][mode] = {"status": "skipped", "why": f"transformers not importable: {e}"}
+        with _mode_environment(mode):
+            elapsed = time.perf_counter() - t_start
+            expected = EXPECTED_FIRST_STEPS_S[mode]
+            settings = device_settings() if mode != "twin" else {}
+            log(f"\n[{mode}] at {elapsed:.0f} s" + "".join(f"; {k}={v}" for k, v in settings.items()))
+            if elapsed + expected > a.deadline_s:
+                why = (f"its first steps (~{expected:.0f} s on the chip) would end after --deadline-s {a.deadline_s:.0f} "
+                       f"(now {elapsed:.0f} s); run it alone with --modes {mode}")
+                log(f"  skipped: {why}")
+                results["modes"][mode] = {"status": "skipped", "why": why}
                 continue
-        mode_start = time.perf_counter()
-        runner = None
-        entry = results["modes"][mode] = {"status": "running", "settings": settings}
-        try:
-            runner = (make_twin(base, args, batches, hp) if mode == "twin"
-                      else make_torch(mode, base, args, batches, hp))
-            setup = time.perf_counter() - mode_start
-            log(f"  set-up (weights and batches to the device) {setup:.1f} s")
-            entry["setup_s"] = setup
-            measure(mode, runner, a, flops, counter, log, mode_start, num_batches, entry)
-            entry["status"] = "ok"
-        except Exception as e:  # noqa: BLE001 - one mode's failure must not cost the others' numbers
-            text = traceback.format_exc()
-            log(f"  FAILED after {time.perf_counter() - mode_start:.1f} s: {type(e).__name__}: {str(e)[:2000]}")
-            log("  " + "\n  ".join(text.strip().splitlines()[-12:]))
-            entry.update(status="failed", error=f"{type(e).__name__}: {str(e)[:4000]}", traceback=text[-6000:])
-        finally:
-            if runner is not None:
-                runner.close()
+            if mode == "hf":
+                try:
+                    import transformers  # noqa: F401
+                except ImportError as e:
+                    log(f"  skipped: transformers is not importable ({e})")
+                    results["modes"][mode] = {"status": "skipped", "why": f"transformers not importable: {e}"}
+                    continue
+            mode_start = time.perf_counter()
             runner = None
-            gc.collect()
-            entry["mode_s"] = time.perf_counter() - mode_start
-        results["ratios"] = ratios(results["modes"])
-        _write(a.json, _record(a, argv, started, t_start, log, results, done=False))
+            entry = results["modes"][mode] = {"status": "running", "settings": settings}
+            try:
+                runner = (make_twin(base, args, batches, hp) if mode == "twin"
+                          else make_torch(mode, base, args, batches, hp))
+                setup = time.perf_counter() - mode_start
+                log(f"  set-up (weights and batches to the device) {setup:.1f} s")
+                entry["setup_s"] = setup
+                measure(mode, runner, a, flops, counter, log, mode_start, num_batches, entry)
+                entry["status"] = "ok"
+            except Exception as e:  # noqa: BLE001 - one mode's failure must not cost the others' numbers
+                text = traceback.format_exc()
+                log(f"  FAILED after {time.perf_counter() - mode_start:.1f} s: {type(e).__name__}: {str(e)[:2000]}")
+                log("  " + "\n  ".join(text.strip().splitlines()[-12:]))
+                entry.update(status="failed", error=f"{type(e).__name__}: {str(e)[:4000]}", traceback=text[-6000:])
+            finally:
+                if runner is not None:
+                    runner.close()
+                runner = None
+                gc.collect()
+                entry["mode_s"] = time.perf_counter() - mode_start
+            results["ratios"] = ratios(results["modes"])
+            _write(a.json, _record(a, argv, started, t_start, log, results, done=False))
     _summary(results, log)
     _write(a.json, _record(a, argv, started, t_start, log, results, done=True))
     if a.json:
         log(f"wrote {a.json}")
+
+
+@contextlib.contextmanager
+def _mode_environment(mode: str):
+    """The environment a mode runs in: its ``MODE_SETTINGS`` set, then restored."""
+    settings = MODE_SETTINGS.get(mode, (mode, {}))[1]
+    before = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def device_settings() -> dict:
@@ -701,12 +728,12 @@ def _summary(results: dict, log: Log) -> None:
     modes = results["modes"]
     ok = {k: v for k, v in modes.items() if v.get("status") == "ok"}
     log("\nsummary")
-    log(f"  {'mode':<9} {'step1 s':>8} {'step2 s':>8} {'XLA compiles (s) step1/step2':>29} {'median ms':>10} "
+    log(f"  {'mode':<15} {'step1 s':>8} {'step2 s':>8} {'XLA compiles (s) step1/step2':>29} {'median ms':>10} "
         f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'unsynced ms':>11} {'busy ms':>8} {'progs/step':>10} "
         f"{'loss1':>9}")
     for name, m in modes.items():
         if m.get("status") != "ok":
-            log(f"  {name:<9} {m.get('status')}: {m.get('why') or m.get('error', '')[:150]}")
+            log(f"  {name:<15} {m.get('status')}: {m.get('why') or m.get('error', '')[:150]}")
             continue
         dev = (m.get("profile") or {}).get("device") or {}
         busy = f"{dev['busy_s_per_step'] * 1e3:8.1f}" if dev else f"{'-':>8}"
@@ -715,7 +742,7 @@ def _summary(results: dict, log: Log) -> None:
         c1, c2 = m["step1"]["compiles"], m["step2"]["compiles"]
         compiles = (f"{c1['xla_compiles']} ({c1['xla_compile_s']:.1f}) / "
                     f"{c2['xla_compiles']} ({c2['xla_compile_s']:.1f})")
-        log(f"  {name:<9} {m['step1']['s']:8.1f} {m['step2']['s']:8.1f} {compiles:>29} "
+        log(f"  {name:<15} {m['step1']['s']:8.1f} {m['step2']['s']:8.1f} {compiles:>29} "
             f"{m['median_step_s'] * 1e3:10.1f} {m['tokens_per_s']:10,.0f} {m['model_tflops']:8.1f} "
             f"{m['mfu'] * 100:5.1f}% {unsynced} {busy} {progs} "
             f"{m['step1']['loss']:9.5f}")

@@ -11,3 +11,14 @@ def switch(name: str, default: str, on: str, off: str) -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{name}={value!r} must be '1' ({on}) or '0' ({off})")
     return value == "1"
+
+
+def shaped_storage() -> bool:
+    """``TPUDIST_SHAPED_STORAGE`` (unset: 0): whether a whole storage's N-d values stay N-d between
+    programs (``Shaped``): copied to the device so (``.to("tpu")``), left so by Fused programs and by
+    compiled ones, and read so by compiled programs. On a TPU a flat array and an N-d one have
+    different tiled layouts, so each reshape between them is a copy of the tensor: parameters read
+    flat by every forward and backward, gradients left flat by every backward. Strict kernels still
+    read storages flat (``concrete``). Off by default until measured on a chip."""
+    return switch("TPUDIST_SHAPED_STORAGE", "0", "N-d storages stay N-d between programs",
+                  "programs read and leave storages flat, the default")

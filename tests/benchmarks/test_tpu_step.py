@@ -215,3 +215,35 @@ def test_add_to_keeps_the_earlier_runs_other_modes(tmp_path):
     with pytest.raises(ValueError, match=r"another model or batch: \(earlier, now\) \{'seq': \(32, 64\)\}"):
         tpu_step._add_earlier(SimpleNamespace(add_to=str(earlier), modes=["strict"]),  # noqa: SLF001
                               {"config": {**config, "seq": 64}, "modes": {}}, lambda text: None)
+
+
+def test_a_mode_kept_twice_names_the_run_that_measured_it(tmp_path):
+    from types import SimpleNamespace
+
+    config = {"dim": 64, "layers": 1, "heads": 4, "kv_heads": 2, "vocab": 128, "seq": 32, "batch": 2,
+              "dtype": "bfloat16"}
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    first.write_text(json.dumps({"started_utc": "A", "command": "strict alone", "parsed": {
+        "config": config, "modes": {"strict": {"status": "ok", "median_step_s": 1.0}}}}))
+    results = {"config": dict(config), "modes": {"twin": {"status": "ok", "median_step_s": 0.1}}}
+    tpu_step._add_earlier(SimpleNamespace(add_to=str(first), modes=["twin"]), results, lambda text: None)  # noqa: SLF001
+    assert results["modes"]["strict"]["run"] == {"started_utc": "A", "command": "strict alone"}
+    second.write_text(json.dumps({"started_utc": "B", "command": "the main run", "parsed": results}))
+    again = {"config": dict(config), "modes": {}}
+    tpu_step._add_earlier(SimpleNamespace(add_to=str(second), modes=["compiled"]), again, lambda text: None)  # noqa: SLF001
+    assert again["modes"]["strict"]["run"]["started_utc"] == "A"  # not B, which only kept it
+    assert again["modes"]["twin"]["run"]["started_utc"] == "B"
+    assert again["added_from"]["started_utc"] == "B"
+
+
+def test_a_mode_with_settings_runs_under_them(monkeypatch):
+    monkeypatch.delenv("TPUDIST_SHAPED_STORAGE", raising=False)
+    with tpu_step._mode_environment("compiled_shaped"):  # noqa: SLF001
+        assert os.environ["TPUDIST_SHAPED_STORAGE"] == "1"
+        assert tpu_step.device_settings()["TPUDIST_SHAPED_STORAGE"] == "1"
+    assert "TPUDIST_SHAPED_STORAGE" not in os.environ
+    with tpu_step._mode_environment("compiled"):  # noqa: SLF001
+        assert "TPUDIST_SHAPED_STORAGE" not in os.environ
+    ok = {"status": "ok", "median_step_s": 2.0, "mfu": 0.1, "tokens_per_s": 1.0, "step1": {"s": 1.0}}
+    r = tpu_step.ratios({"compiled": ok, "compiled_shaped": {**ok, "median_step_s": 1.0}})
+    assert r["compiled_shaped_over_compiled_step"] == 0.5

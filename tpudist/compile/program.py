@@ -41,6 +41,7 @@ import torch.fx
 
 from tpudist import _strides
 from tpudist import matmul_precision as precision
+from tpudist._switches import shaped_storage
 from tpudist.compile import boundary, device_io
 from tpudist.compile.errors import UnsupportedGraph, missing_op_error, user_line
 from tpudist.ops import host_checks
@@ -215,9 +216,14 @@ class GraphProgram:
         for_backward = [saved.first is not None and p >= saved.first for p in positions]
         self._orders = [None if kept else _dense_order(n.meta["val"])
                         for n, kept in zip(self._output_nodes, for_backward)]
-        self._shaped_in = tuple(self._on_device and placeholders[i].name in saved.names for i in self._tensor_at)
-        self._shaped_out = tuple(self._on_device and kept and n.name in saved.names
-                                 for n, kept in zip(self._output_nodes, for_backward))
+        # with TPUDIST_SHAPED_STORAGE every N-d value enters and leaves in its own shape (parameters, gradients)
+        nd = shaped_storage() if self._on_device else False
+        self._shaped_in = tuple(self._on_device and (placeholders[i].name in saved.names
+                                                     or (nd and placeholders[i].meta["val"].dim() > 1))
+                                for i in self._tensor_at)
+        self._shaped_out = tuple(self._on_device and ((kept and n.name in saved.names)
+                                                      or (nd and order is None and n.meta["val"].dim() > 1))
+                                 for n, kept, order in zip(self._output_nodes, for_backward, self._orders))
         self._num_shaped = (sum(self._shaped_in), sum(self._shaped_out))
         edges = [*zip(((a.shape, a.dtype) for a in self._avals), self._shaped_in),
                  *zip(((n.meta["val"].shape, n.meta["val"].dtype) for n in self._output_nodes), self._shaped_out)]

@@ -26,7 +26,8 @@ from tpudist.device._core import (
 )
 from tpudist.device._debug import check_arguments, check_nans
 from tpudist.device._storage import (
-    X64, Lazy, Shaped, buffer_of, concrete, flush, from_cpu, is_tpu, new_tensor, to_jax, to_torch, value_of,
+    X64, Lazy, Shaped, buffer_of, concrete, flush, from_cpu, is_tpu, new_tensor, shaped_storage, to_jax, to_torch,
+    value_of,
 )
 from tpudist.device._storage import outputs as _outputs
 from tpudist.ops import host_checks
@@ -244,7 +245,10 @@ def copy_from_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
         if order is not None or dst.is_contiguous():
             if isinstance(buf.value, Lazy):
                 flush()
-            buf.value = to_jax(src, order)
+            if order is None and dst.dim() > 1 and shaped_storage():
+                buf.value = Shaped(to_jax(src, shaped=True))
+            else:
+                buf.value = to_jax(src, order)
             return
     tmp = from_cpu(src)
     execute(aten.copy_.default, (dst, tmp), {})

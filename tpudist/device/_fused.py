@@ -448,6 +448,7 @@ def flush(shaped: bool = False) -> None:
         if g is None:
             return
         _graph = None
+        shaped = shaped or _storage.shaped_storage()
         rt.stats["recorded_ops"] += len(g.nodes)  # counted per graph, not per op (cache_stats adds the pending)
         t0 = time.perf_counter()
         live, bufs, seen = [], [], set()

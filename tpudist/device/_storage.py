@@ -23,6 +23,7 @@ import torch
 from jax._src import config as _jax_config
 
 import tpudist.ops as tops
+from tpudist._switches import shaped_storage
 from tpudist.device import _fastpath, _hooks, _oom
 from tpudist.device import _runtime as rt
 from tpudist.device import views
@@ -161,9 +162,10 @@ def warn_if_emulated(dtype: torch.dtype) -> None:
     warnings.warn(FLOAT64_ON_TPU, UserWarning, stacklevel=3)
 
 
-def to_jax(t: torch.Tensor, order=None):
+def to_jax(t: torch.Tensor, order=None, shaped: bool = False):
     """A CPU tensor's values as a flat jax.Array on the device (a copy: torch keeps its memory), in
-    row-major order of ``t.permute(order)`` where ``order`` is given (a storage's physical order)."""
+    row-major order of ``t.permute(order)`` where ``order`` is given (a storage's physical order);
+    of the tensor's own shape where ``shaped``."""
     t = t.detach()
     t = t.permute(order) if order is not None else t
     t = t.clone() if t.is_contiguous() else t.contiguous()
@@ -175,7 +177,7 @@ def to_jax(t: torch.Tensor, order=None):
     warn_if_emulated(t.dtype)
     try:
         with jax.enable_x64(True):  # else int64/float64 are silently truncated to 32 bits
-            return jax.device_put(host.reshape(-1), dev)
+            return jax.device_put(host if shaped else host.reshape(-1), dev)
     except jax.errors.JaxRuntimeError as e:
         _oom.raise_if_oom(e, f"copying a {tuple(t.shape)} {t.dtype} tensor to the device", host.nbytes)
         raise
@@ -286,6 +288,8 @@ def to_cpu(t: torch.Tensor, strides: tuple | None = None) -> torch.Tensor:
 def from_cpu(t: torch.Tensor, strides: tuple | None = None) -> torch.Tensor:
     """A device copy of the CPU tensor ``t``: contiguous, or of the dense ``strides``."""
     if strides is None:
+        if t.dim() > 1 and shaped_storage():
+            return new_tensor(tuple(t.shape), t.dtype, Shaped(to_jax(t, shaped=True)))
         return new_tensor(tuple(t.shape), t.dtype, to_jax(t))
     order = views.permuted_order(t.shape, strides)
     if order is None:
