@@ -8,7 +8,8 @@
 # their functions in this process (TPUDIST_POOL_START=inprocess) and every test that needs several rank
 # processes is skipped with that reason. Tests that need a chip run here and skip elsewhere.
 # CHIP_SUITE_SHARD=i/n runs the i-th of n contiguous slices of the collected tests (tests/conftest.py's
-# TPUDIST_TEST_SHARD), so the suite can be covered a slice per command, each slice recorded by its name.
+# TPUDIST_TEST_SHARD), so the suite can be covered a slice per command, each slice recorded by its name;
+# i-j/n runs the i-th to the j-th in one pytest session (their programs compiled once for all of them).
 # CHIP_SUITE_SECONDS (default 480) bounds this script's wall time, installing included: pytest's session
 # ends between two tests 30 s before it, and a test still running at the bound is interrupted (SIGINT),
 # so the summary, failures included, is printed inside a command's time limit either way.

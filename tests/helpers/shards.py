@@ -8,12 +8,16 @@ import pytest
 
 def shard_bounds(shard: str, count: int) -> tuple[int, int]:
     """``TPUDIST_TEST_SHARD="i/n"``: the [start, end) of the i-th of n contiguous, near-equal slices of
-    ``count`` collected tests (contiguous, so a module's fixtures start once or twice, not per test)."""
+    ``count`` collected tests (contiguous, so a module's fixtures start once or twice, not per test);
+    ``"i-j/n"``: the i-th to the j-th of them, as one run (a chip command covers several slices)."""
     try:
-        i, n = (int(part) for part in shard.split("/"))
+        first, n = shard.split("/")
+        i, j = (int(part) for part in first.split("-")) if "-" in first else (int(first),) * 2
+        n = int(n)
     except ValueError:
-        i = n = 0
-    if not 1 <= i <= n:
-        raise pytest.UsageError(f"TPUDIST_TEST_SHARD={shard!r} must be 'i/n' with 1 <= i <= n (e.g. '2/6': the "
-                                "second sixth of the collected tests, in collection order)")
-    return count * (i - 1) // n, count * i // n
+        i = j = n = 0
+    if not 1 <= i <= j <= n:
+        raise pytest.UsageError(f"TPUDIST_TEST_SHARD={shard!r} must be 'i/n' with 1 <= i <= n, or 'i-j/n' with "
+                                "1 <= i <= j <= n (e.g. '2/6': the second sixth of the collected tests, in "
+                                "collection order; '2-3/6': the second and third)")
+    return count * (i - 1) // n, count * j // n

@@ -1,5 +1,5 @@
 """``TPUDIST_TEST_SHARD=i/n`` (tests/conftest.py; scripts/chip_suite.sh's ``CHIP_SUITE_SHARD``): the i-th of n
-contiguous slices of the collected tests."""
+contiguous slices of the collected tests; ``i-j/n`` the i-th to the j-th."""
 
 from __future__ import annotations
 
@@ -25,7 +25,13 @@ def test_shards_are_contiguous_near_equal_and_cover_everything():
             assert max(sizes) - min(sizes) <= 1, (count, n, sizes)
 
 
-@pytest.mark.parametrize("bad", ["3/2", "0/4", "two/6", "1"])
+def test_a_range_of_shards_is_their_union():
+    for count in (0, 7, 1835):
+        assert shard_bounds("3-5/40", count) == (shard_bounds("3/40", count)[0], shard_bounds("5/40", count)[1])
+        assert shard_bounds("1-40/40", count) == (0, count) and shard_bounds("4-4/9", count) == shard_bounds("4/9", count)
+
+
+@pytest.mark.parametrize("bad", ["3/2", "0/4", "two/6", "1", "3-2/6", "2-7/6", "1-/4"])
 def test_a_bad_shard_is_refused_with_the_rule(bad):
     with pytest.raises(pytest.UsageError, match=rf"TPUDIST_TEST_SHARD='{bad}' must be 'i/n' with 1 <= i <= n"):
         shard_bounds(bad, 10)
