@@ -90,6 +90,6 @@ def test_compiled_training_crosses_no_edge_flat(mode, shaped):
         assert abs(loss - ref) <= 1e-5 * abs(ref), (losses, ref_losses)
     for p, r in zip(params, ref_params):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-5)
-    assert compiled[0] > 0 and compiled[1:] == [0, 0], compiled
+    assert compiled[1:] == [0, 0], compiled  # (step 1's may come from the disk cache of an earlier run)
     assert flat == [0, 0, 0], flat  # parameters in, gradients out, saved activations: all in their own shape
     assert all(_shaped_params(model))
