@@ -76,6 +76,29 @@ def test_float64_limits_on_the_chip():
     assert torch.equal(ints.to("tpu").cpu(), ints)
 
 
+@pytest.mark.skipif(not ON_TPU, reason=f"needs a TPU chip; JAX's first device is {jax.devices()[0].platform}")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128, torch.int64])
+def test_64_bit_products_on_the_chip(dtype):
+    """mm, bmm, matmul and addmm in 64-bit dtypes compile on the chip (XLA:TPU has no 64-bit integer dot:
+    int64 runs as products and sums) and give CPU's values: int64 exactly, float64 and complex128 within
+    the emulation's error (pairs of float32: 2**-40 relative per value, more through sums)."""
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.int64:
+        a, b, c = (torch.randint(-2**40, 2**40, shape, generator=g) for shape in ((3, 33, 17), (3, 17, 9), (33, 9)))
+    else:
+        a, b, c = (torch.randn(shape, generator=g, dtype=dtype) for shape in ((3, 33, 17), (3, 17, 9), (33, 9)))
+    cases = {"mm": lambda a, b, c: a[0] @ b[0], "bmm": lambda a, b, c: torch.bmm(a, b),
+             "matmul": lambda a, b, c: torch.matmul(a, b[0]), "addmm": lambda a, b, c: torch.addmm(c, a[1], b[2]),
+             "mv": lambda a, b, c: torch.mv(a[0], b[0][:, 0])}
+    for name, fn in cases.items():
+        want = fn(a, b, c)
+        got = fn(a.to("tpu"), b.to("tpu"), c.to("tpu")).cpu()
+        if dtype == torch.int64:
+            assert torch.equal(got, want), name
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=name)
+
+
 @pytest.mark.parametrize("platform,base,generalises", [
     ("cpu", 2**50, True), ("tpu", 2**50, False), ("tpu", 2**46, True)], ids=["cpu-2**50", "tpu-2**50", "tpu-2**46"])
 def test_ints_enter_the_scalar_vector_only_where_they_stay_exact(monkeypatch, platform, base, generalises):
