@@ -134,6 +134,7 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
         out["device"] = None
     per_op: dict = defaultdict(lambda: {"count": 0, "ns": 0.0, "flops": 0.0, "category": "", "opcode": "",
                                         "shape": "", "what": ""})
+    copy_types: dict = defaultdict(lambda: [0, 0.0])  # (opcode, result type with its layout) -> runs, ns
     stat_keys: set = set()
     categories = dict.fromkeys(CATEGORIES, 0.0)
     flops_by_category = dict.fromkeys(CATEGORIES, 0.0)
@@ -157,6 +158,9 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
             row["flops"] += flops
             flops_by_category[category] += flops
         categories[category] += dur
+        if category == "copy/transpose":
+            copy_types[(opcode, result_type(long_name))][0] += 1
+            copy_types[(opcode, result_type(long_name))][1] += dur
     total = sum(categories.values())
     out["ops_s_per_step"] = total / 1e9 / num_steps
     out["categories"] = {k: {"s_per_step": v / 1e9 / num_steps, "share": v / total if total else 0.0}
@@ -176,7 +180,19 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
     out["top_ops"] = rows(ranked)
     # where the layout changes go: a program's edges, reshapes of flat storages, transposes XLA kept
     out["top_copies"] = rows([(n, r) for n, r in ranked if r["category"] == "copy/transpose"])
+    # the same copies summed by what they make: a layout change repeated per layer shows as one row
+    out["copies_by_type"] = [{"opcode": op, "type": t, "runs_per_step": c / num_steps, "s_per_step": ns / 1e9 / num_steps}
+                             for (op, t), (c, ns) in sorted(copy_types.items(), key=lambda kv: -kv[1][1])[:top]]
     return out
+
+
+def result_type(long_name: str) -> str:
+    """The result type of an ``XLA Ops`` event's HLO text, its layout included (``bf16[8,16,1024,64]{3,2,1,0
+    :T(8,128)(2,1)}``); "" where the name is bare or the result a tuple."""
+    head, sep, rest = long_name.partition(" = ")
+    if not sep or rest.startswith("("):
+        return ""
+    return rest.split(" ", 1)[0]
 
 
 STEP_ANNOTATION = "tpu_step.step"  # the host-side TraceAnnotation around each profiled step (tpu_step.profile)
@@ -248,6 +264,10 @@ def format_summary(summary: dict, wall_s: float, model_flops: float) -> list[str
     if copies:
         lines.append("    largest copy/transpose ops besides those:")
         lines += [_op_line(op) for op in copies]
+    if summary.get("copies_by_type"):
+        lines.append("    copy/transpose time by what the op makes (its type and layout), all runs summed:")
+        lines += [f"      {c['s_per_step'] * 1e3:8.2f} ms x{c['runs_per_step']:<5.1f} {c['opcode'] or '-':<12} "
+                  f"{c['type'][:90]}" for c in summary["copies_by_type"]]
     return lines
 
 

@@ -111,6 +111,13 @@ def test_op_names_parse_and_categorize(name, short, opcode, shapes, category):
     assert xla_profile.categorize(short, opcode, shapes, seq=1024) == category
 
 
+def test_a_copy_is_summed_by_the_type_and_layout_it_makes():
+    assert xla_profile.result_type("%copy.113 = bf16[8,16,1024,64]{3,2,1,0:T(8,128)(2,1)} copy(%a)") == \
+        "bf16[8,16,1024,64]{3,2,1,0:T(8,128)(2,1)}"
+    assert xla_profile.result_type("%fusion.7 = (bf16[8]{0}, f32[8]{0}) fusion(%h)") == ""  # a tuple
+    assert xla_profile.result_type("copy.113") == ""  # an XLA:CPU thunk's bare name
+
+
 def test_what_made_an_op_comes_from_its_stats_or_its_metadata():
     text = '%fusion.80 = bf16[4000,8,8,128]{3,2,1,0} fusion(%p), metadata={op_name="jit(step)/scatter-add" source_line=3}'
     assert xla_profile.what_of(text, {}) == "jit(step)/scatter-add"
