@@ -17,22 +17,30 @@ LENGTHS = [0, 1, 2, 7, 100, 1001]
 DEV_TIMEOUT = 600  # seconds a call in the worker may take (the ``dev`` fixture in conftest.py)
 
 
-def linspace_mismatches(mode: str) -> list:
+def _grid_mismatches(lengths) -> list:
     """Every (dtype, length, range) whose device result is not CPU's, with how many elements differ."""
     import torch
 
-    import tpudist.device  # noqa: F401
-
-    torch.tpu.set_eager_mode(mode)
     bad = []
     for name in DTYPES:
         dtype = getattr(torch, name)
-        for steps in LENGTHS:
+        for steps in lengths:
             for start, end in RANGES:
                 want = torch.linspace(start, end, steps, dtype=dtype)
                 got = torch.linspace(start, end, steps, dtype=dtype, device="tpu").cpu()
                 if got.dtype != want.dtype or not torch.equal(got, want):
                     bad.append((name, steps, start, end, int((got != want).sum())))
+    return bad
+
+
+def linspace_mismatches(mode: str) -> list:
+    """``_grid_mismatches`` over ``LENGTHS``, and a traced endpoint reused."""
+    import torch
+
+    import tpudist.device  # noqa: F401
+
+    torch.tpu.set_eager_mode(mode)
+    bad = _grid_mismatches(LENGTHS)
     # a traced endpoint reused with other values compiles nothing new and stays exact
     for start in (0.25, -4.5):
         want = torch.linspace(start, 1.0, 50)
@@ -61,16 +69,7 @@ def linspace_mismatches_on_host(mode: str) -> tuple:
     factories.LINSPACE_ON_HOST = ("cpu", "tpu")
     factories._linspace_on_host = lambda *a: (calls.append(a), on_host(*a))[1]
     try:
-        bad = []
-        for name in DTYPES:
-            dtype = getattr(torch, name)
-            for steps in (3, 13, 501):
-                for start, end in RANGES:
-                    want = torch.linspace(start, end, steps, dtype=dtype)
-                    got = torch.linspace(start, end, steps, dtype=dtype, device="tpu").cpu()
-                    if got.dtype != want.dtype or not torch.equal(got, want):
-                        bad.append((name, steps, start, end, int((got != want).sum())))
-        return bad, len(calls)
+        return _grid_mismatches((3, 13, 501)), len(calls)
     finally:
         factories.LINSPACE_ON_HOST, factories._linspace_on_host = platforms, on_host
 

@@ -26,8 +26,7 @@ from tpudist.device._core import (
 )
 from tpudist.device._debug import check_arguments, check_nans
 from tpudist.device._storage import (
-    X64, Lazy, Shaped, buffer_of, concrete, flush, from_cpu, is_tpu, new_tensor, shaped_storage, to_jax, to_torch,
-    value_of,
+    X64, Lazy, Shaped, buffer_of, concrete, flush, from_cpu, is_tpu, new_tensor, stored, to_jax, to_torch, value_of,
 )
 from tpudist.device._storage import outputs as _outputs
 from tpudist.ops import host_checks
@@ -245,10 +244,7 @@ def copy_from_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
         if order is not None or dst.is_contiguous():
             if isinstance(buf.value, Lazy):
                 flush()
-            if order is None and dst.dim() > 1 and shaped_storage():
-                buf.value = Shaped(to_jax(src, shaped=True))
-            else:
-                buf.value = to_jax(src, order)
+            buf.value = stored(src) if order is None else to_jax(src, order)
             return
     tmp = from_cpu(src)
     execute(aten.copy_.default, (dst, tmp), {})

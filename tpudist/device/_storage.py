@@ -183,6 +183,14 @@ def to_jax(t: torch.Tensor, order=None, shaped: bool = False):
         raise
 
 
+def stored(t: torch.Tensor):
+    """A CPU tensor's values as a row-major storage of its own holds them on the device (a copy): flat, or
+    in the tensor's shape (``Shaped``) where it has more than one dimension and ``TPUDIST_SHAPED_STORAGE`` is on."""
+    if t.dim() > 1 and shaped_storage():
+        return Shaped(to_jax(t, shaped=True))
+    return to_jax(t)
+
+
 def to_torch(array) -> torch.Tensor:
     try:
         host = np.asarray(array)
@@ -288,9 +296,7 @@ def to_cpu(t: torch.Tensor, strides: tuple | None = None) -> torch.Tensor:
 def from_cpu(t: torch.Tensor, strides: tuple | None = None) -> torch.Tensor:
     """A device copy of the CPU tensor ``t``: contiguous, or of the dense ``strides``."""
     if strides is None:
-        if t.dim() > 1 and shaped_storage():
-            return new_tensor(tuple(t.shape), t.dtype, Shaped(to_jax(t, shaped=True)))
-        return new_tensor(tuple(t.shape), t.dtype, to_jax(t))
+        return new_tensor(tuple(t.shape), t.dtype, stored(t))
     order = views.permuted_order(t.shape, strides)
     if order is None:
         raise AssertionError(f"strides={strides} of a {tuple(t.shape)} tensor are not a dense layout")

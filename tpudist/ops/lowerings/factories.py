@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from tpudist._hostmem import numpy_view
 from tpudist.ops.dtypes import to_jax_dtype
 from tpudist.ops.lowerings._util import is_array, is_low_precision, rounding_to
 from tpudist.ops.registry import lowers, shapes_from_lowering
@@ -201,10 +202,7 @@ def _linspace_on_host(start, end, steps, dtype: torch.dtype):
     raises JAX's concretization error, and the device then builds the op with its floats as constants (as
     for ``logspace``), so each distinct (start, end, steps, dtype) is a kernel of its own."""
     start, end = (x if isinstance(x, (int, float)) else float(x) for x in (start, end))
-    values = torch.linspace(start, end, operator.index(steps), dtype=dtype)
-    if dtype == torch.bfloat16:  # numpy has no bfloat16: its bits
-        return jnp.asarray(values.view(torch.int16).numpy()).view(jnp.bfloat16)
-    return jnp.asarray(values.numpy())
+    return jnp.asarray(numpy_view(torch.linspace(start, end, operator.index(steps), dtype=dtype))[0])
 
 
 @lowers(aten.logspace.default)
