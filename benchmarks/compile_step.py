@@ -299,8 +299,10 @@ def main(argv=None) -> None:
     import torch
     import torch.nn.functional as F
 
+    from tpudist.compile.program import STATS
     from tpudist.training.model import ModelArgs, Transformer
 
+    STATS.cpu_times = True  # the backend's calls also in CPU time of the calling thread (off by default)
     if args.device == "tpu":
         import tpudist.device  # noqa: F401  (installs the "tpu" device)
 

@@ -69,6 +69,16 @@ def raise_if_oom(e: BaseException, what: str, requested: int) -> None:
     _oom.raise_if_oom(e, what, requested)
 
 
+def new_tensors(specs: tuple, arrays: list) -> list[torch.Tensor]:
+    """``new_tensor`` of each of ``arrays`` on the device, in one call (C++ where it built): ``specs`` holds
+    each one's (shape, dtype, numel[, dense strides]). Per result this costs a few microseconds less than
+    ``new_tensor``: a forward returns a hundred saved activations or more."""
+    from tpudist.device import _storage
+
+    shaped = _storage.Shaped
+    return _storage.outputs(specs, [a if a.ndim == 1 else shaped(a) for a in arrays], None, 0, None)
+
+
 def new_tensor(array, shape, dtype: torch.dtype, host: bool = False, strides=None) -> torch.Tensor:
     """A device tensor over ``array`` (no copy), flat or of ``shape`` (then a ``Shaped`` storage value);
     of the dense ``strides`` where given (then ``array`` is flat, in their physical order); ``host``: a CPU

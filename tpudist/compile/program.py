@@ -73,6 +73,10 @@ class Stats:
     # calling thread and hands ready ones to its own pool, whose CPU the caller does not see.
     call_cpu_seconds: dict = field(default_factory=dict)
     program_cpu_seconds: dict = field(default_factory=dict)
+    # whether calls fill the two above: off unless a benchmark turns it on. Reading a thread's CPU clock is a
+    # system call; with XLA's threads busy on a 2-core machine it took 9 us (median) to 1.6 ms a read, and the
+    # four reads of a compiled forward and backward 0.3-0.6 ms of host time a step (2026-12-07)
+    cpu_times: bool = False
     # per program with collectives: (graph name, the XLA collective instructions its HLO holds)
     collective_programs: list = field(default_factory=list)
 
@@ -232,6 +236,7 @@ class GraphProgram:
         self._const_arrays = None
         self._result_types = [(_physical_shape(n.meta["val"].shape, order), n.meta["val"].dtype)
                               for n, order in zip(self._output_nodes, self._orders)]
+        self._fresh = self._plan_fresh() if self._on_device else None
         self._precision = precision.current()
         self.key = self._key()
         STATS.graphs += 1
@@ -405,6 +410,21 @@ class GraphProgram:
         return program_cache.load_or_export("compile", self.key, lambda: export.export(traced)(*args),
                                             lambda: {"num_keys": num_keys[0]})
 
+    def _plan_fresh(self) -> tuple:
+        """A device program's device results as ``device_io.new_tensors`` makes them in one call: their
+        (shape, dtype, numel[, strides]) and which computed outputs they are. Results on the CPU (a step
+        count's new value) are made one by one."""
+        specs, where = [], []
+        for o in self._outputs:
+            val = self._output_nodes[o.index].meta["val"] if o.kind == "array" else None
+            if val is None or val.device.type == "cpu":
+                continue
+            shape = tuple(int(s) for s in val.shape)
+            strides = () if self._orders[o.index] is None else (tuple(int(s) for s in val.stride()),)
+            specs.append((shape, o.dtype, math.prod(shape), *strides))
+            where.append(o.index)
+        return tuple(specs), where
+
     # -- running ----------------------------------------------------------------------------------
     def _key_data(self) -> np.ndarray:
         if not self._exe.num_keys:
@@ -438,13 +458,14 @@ class GraphProgram:
 
         key_data = self._key_data() if key_data is None else key_data
         consts = self._consts()
-        start, start_cpu = time.perf_counter(), time.thread_time()
+        start, start_cpu = time.perf_counter(), _thread_time()
         outs = self._exe.compiled(key_data, consts, *arrays)
         if self._exe.host_checks:
             host_checks.raise_failed()
         jax.block_until_ready(outs)  # inputs (and temporaries in keep) are read by now
         _add(STATS.program_seconds, self.name, time.perf_counter() - start)
-        _add(STATS.program_cpu_seconds, self.name, time.thread_time() - start_cpu)
+        if STATS.cpu_times:
+            _add(STATS.program_cpu_seconds, self.name, time.thread_time() - start_cpu)
         return outs
 
     def _run_on_device(self, tensors: list) -> list:
@@ -463,7 +484,7 @@ class GraphProgram:
     def __call__(self, args: list) -> list:
         import jax
 
-        start, start_cpu = time.perf_counter(), time.thread_time()
+        start, start_cpu = time.perf_counter(), _thread_time()
         self._at_current_precision()
         tensors = [args[i] for i in self._tensor_at]
         passthrough = {o.index: args[o.index] for o in self._outputs if o.kind == "input"}
@@ -483,12 +504,16 @@ class GraphProgram:
                 outs = self._computed(self._run(arrays))
         del keep, tensors
         results = []
+        if self._on_device:
+            specs, where = self._fresh
+            fresh = dict(zip(where, device_io.new_tensors(specs, [outs[i] for i in where])))
         for o in self._outputs:
             if o.kind == "array" and self._on_device:
-                val = self._output_nodes[o.index].meta["val"]
-                strides = None if self._orders[o.index] is None else tuple(val.stride())
-                results.append(device_io.new_tensor(outs[o.index], val.shape, o.dtype, host=val.device.type == "cpu",
-                                                    strides=strides))
+                made = fresh.get(o.index)
+                if made is None:  # a result on the CPU
+                    val = self._output_nodes[o.index].meta["val"]
+                    made = device_io.new_tensor(outs[o.index], val.shape, o.dtype, host=True)
+                results.append(made)
             elif o.kind == "array" and self._collectives is None:
                 results.append(self._with_strides(outs[o.index], o.index))
             elif o.kind == "array":
@@ -502,7 +527,8 @@ class GraphProgram:
             else:
                 results.append(o.value)
         _add(STATS.call_seconds, self.name, time.perf_counter() - start)
-        _add(STATS.call_cpu_seconds, self.name, time.thread_time() - start_cpu)
+        if STATS.cpu_times:
+            _add(STATS.call_cpu_seconds, self.name, time.thread_time() - start_cpu)
         return results
 
 
@@ -537,6 +563,11 @@ def _nbytes(shape, dtype) -> int:
 
 def _physical_shape(shape, order) -> tuple[int, ...]:
     return tuple(shape) if order is None else tuple(shape[d] for d in order)
+
+
+def _thread_time() -> float:
+    """The calling thread's CPU seconds where ``STATS.cpu_times`` asks for them, else 0."""
+    return time.thread_time() if STATS.cpu_times else 0.0
 
 
 def _add(seconds: dict, name: str, value: float) -> None:
