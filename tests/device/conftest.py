@@ -26,3 +26,23 @@ def dev(request):
     timeout = getattr(request.module, "DEV_TIMEOUT", 300)
     with RankPool(1, backend=None, timeout=timeout, env={"TPUDIST_EAGER_MODE": "strict"}) as pool:
         yield lambda fn, *a, **k: pool.run(fn, *a, **k)[0]
+
+
+@pytest.fixture
+def fresh_caches(monkeypatch):
+    """The device's kernel, site, program and growth caches empty for the test, as in a fresh process, and
+    the process's own back afterwards. For tests that count what compiles at which step: a site another
+    test of the process already saw compiles at other steps (``_core``'s automatic dynamic ints keep its
+    first value as a constant or made it a runtime input; ``_grow`` remembers the first length a cat saw)."""
+    from tpudist.device import _core, _execute, _fused, _grow
+
+    kernels = {}
+    monkeypatch.setattr(_core, "_KERNELS", kernels)
+    monkeypatch.setattr(_execute, "_KERNELS", kernels)
+    monkeypatch.setattr(_core, "_SITES", {})
+    monkeypatch.setattr(_core, "_HINTS", {})
+    monkeypatch.setattr(_core, "_num_generalised", 0)
+    monkeypatch.setattr(_fused, "_PROGRAMS", {})
+    # growing sequences: the first length a cat site saw, the lengths of its latest results, the arange ends
+    for name in ("_KERNELS", "_FIRST_LENGTH", "_RESULT_LENGTHS", "_GREW", "_ARANGE_FIRST", "_ARANGE_GROWN", "_PLANS"):
+        monkeypatch.setattr(_grow, name, type(getattr(_grow, name))())

@@ -16,6 +16,8 @@ from tpudist.device import buckets
 
 GENERATE = Path(__file__).resolve().parents[2] / "recipes" / "generate.py"
 MODES = ("strict", "fused")
+# compile counts per step: each test starts from empty caches, whatever ran before it in the process
+pytestmark = pytest.mark.usefixtures("fresh_caches")
 WIDTH = {"strict": 3, "fused": 4}  # kernels are shared by the modes: each test's shapes are its own
 
 

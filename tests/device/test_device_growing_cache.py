@@ -23,6 +23,8 @@ except ImportError:  # the Hugging Face tests skip
     LogitsProcessor = LogitsProcessorList = None
 
 MODES = ("strict", "fused")
+# compile counts per step: each test starts from empty caches, whatever ran before it in the process
+pytestmark = pytest.mark.usefixtures("fresh_caches")
 
 
 def _compiled() -> int:
