@@ -8,9 +8,18 @@ race harmlessly and a reader never opens half a file.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: evictions there go unlocked
+    fcntl = None
+
+log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"
 
@@ -53,6 +62,30 @@ class Local:
             os.utime(self.path / name)  # the access time eviction orders by
         except OSError:  # removed meanwhile, or a read-only shared cache: not worth failing for
             pass
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Held by one process of this machine at a time (a ``flock`` on the folder itself, so no
+        extra file appears in it): evictions list and remove under it. A listing reads the names,
+        then stats each; another process removing entries in between made one see a fraction of
+        the folder (stressed: 0 of 10 entries), call it small, and put past the bound unlisted.
+        Where the filesystem refuses the lock (some network mounts), evictions go unlocked."""
+        if fcntl is None:
+            yield
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            yield
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                log.debug("tpudist.program_cache: cannot lock %s (%s); evicting unlocked", self.path, e)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
 
     def listing(self) -> list[tuple[str, int, float]]:
         """(name, size, mtime) of every file, temporary ones included."""
@@ -106,6 +139,10 @@ class Fsspec:
         except BaseException:
             self.fs.rm_file(tmp)
             raise
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        yield  # no portable lock across an object store's clients: evictions go unlocked
 
     def touch(self, name: str) -> None:
         pass  # fsspec has no portable way to bump a time without rewriting: eviction goes by write time

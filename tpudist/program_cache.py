@@ -25,7 +25,9 @@ bounds the entries' total size (default 8 GiB; ``K``/``M``/``G`` suffixes); past
 recently used entries are removed.
 
 Entries are written to a temporary name in the same folder and renamed into place, so concurrent
-writers race harmlessly and a reader never opens half a file. Each carries a header (format,
+writers race harmlessly and a reader never opens half a file; on a local or mounted folder one
+process at a time evicts (a ``flock`` on the folder), so the size bound holds after the last put of
+processes sharing it. Each carries a header (format,
 library versions, payload size and SHA-256): a corrupt entry, or one written by other versions,
 is skipped with a :class:`CacheEntryWarning` and recomputed (then overwritten).
 
@@ -193,6 +195,10 @@ class ProgramCache:
     def evict(self) -> int:
         """Removes the least recently used entries until the total is within the bound (down to
         90% of it once over); returns how many. Temporary files of writers that died go too."""
+        with self._storage.exclusive():  # one process lists and removes at a time (Local.exclusive)
+            return self._evict_listed()
+
+    def _evict_listed(self) -> int:
         try:
             listing = self._storage.listing()
         except OSError as e:

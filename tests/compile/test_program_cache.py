@@ -129,6 +129,39 @@ def test_puts_list_the_folder_only_past_half_the_bound(tmp_path, monkeypatch):
     assert len(listings) == 2
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="the folder lock is a POSIX flock")
+def test_eviction_lists_and_removes_under_the_folder_lock(tmp_path, monkeypatch):
+    """Under concurrent writers a listing (names, then a stat each) saw 0 of 10 entries: others removed
+    them in between, so the lister called the folder small and put past the bound without listing again.
+    Evictions now list and remove holding a flock on the folder: another holder is refused meanwhile."""
+    import fcntl
+
+    cache = ProgramCache(tmp_path, max_bytes=5_000)
+    for i in range(4):
+        cache.put(f"e{i}", bytes(1000))
+    seen = []
+
+    def locked_elsewhere():
+        fd = os.open(tmp_path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # releases a lock it did get
+        return False
+
+    storage = cache._storage  # noqa: SLF001
+    real_listing, real_remove = storage.listing, storage.remove
+    monkeypatch.setattr(storage, "listing", lambda: seen.append(("list", locked_elsewhere())) or real_listing())
+    monkeypatch.setattr(storage, "remove", lambda name: seen.append(("remove", locked_elsewhere())) or real_remove(name))
+    cache.put("e4", bytes(1000))  # crosses the bound: lists, removes the oldest
+    assert seen and seen[0][0] == "list" and ("remove", True) in seen, seen
+    assert all(held for _, held in seen), seen
+    assert not locked_elsewhere()  # released after the eviction
+    assert cache.total_bytes() <= 5_000 and cache.stats.evictions > 0
+
+
 def test_entry_larger_than_the_bound_is_not_stored(tmp_path):
     cache = ProgramCache(tmp_path, max_bytes=500)
     assert not cache.put("big", bytes(1000))
