@@ -443,6 +443,20 @@ def test_write_through_an_unsupported_view_raises():
         run_on_jax(fn, _t(4), jit=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.bool])
+def test_a_cpu_constant_enters_jax_mode_in_its_dtype(dtype):
+    """A CPU tensor an op meets under JaxMode (a decomposition's cached constant) becomes a JAX array:
+    bfloat16 one failed (Tensor.numpy() refuses it), e.g. OpInfo masked.cumsum's where(mask, x, 0)."""
+    const = _t(2, 3).to(dtype)
+    x = _t(2, 3).to(dtype)
+    with jax.enable_x64(True):
+        value = JaxValue(to_jax(x))
+        with JaxMode():
+            got = torch.where(value != 0, const, value)
+        assert got.dtype == dtype
+        assert torch.equal(to_torch(got.value), torch.where(x != 0, const, x))
+
+
 def test_bf16_roundtrip_helpers():
     t = _t(5, dtype=torch.bfloat16)
     with jax.enable_x64(True):

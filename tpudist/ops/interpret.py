@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tpudist import _hostmem
 from tpudist.ops import accuracy
 from tpudist.ops.dtypes import to_jax_dtype, to_torch_dtype
 from tpudist.ops.registry import lowering_for, reads_contiguity, uses_lowering_shapes
@@ -227,8 +228,9 @@ def _unwrap(x):
     if isinstance(x, JaxValue):
         return x.value
     if isinstance(x, torch.Tensor):
-        # A constant the decomposition made outside the mode (e.g. a cached CPU tensor).
-        return jnp.asarray(np.asarray(x.detach().resolve_conj().resolve_neg().cpu().numpy()))
+        # A constant the decomposition made outside the mode (e.g. a cached CPU tensor); numpy_view
+        # takes bfloat16 (as ml_dtypes'), which Tensor.numpy() refuses.
+        return jnp.asarray(_hostmem.numpy_view(x.detach().cpu())[0])
     return x
 
 
