@@ -246,7 +246,7 @@ def div_mode(x, y, *, rounding_mode=None):
     x = jnp.asarray(x)
     if rounding_mode == "trunc":
         if is_integral(x):
-            return jax.lax.div(x, jnp.asarray(y, x.dtype))  # C division truncates toward zero
+            return jax.lax.div(*jnp.broadcast_arrays(x, jnp.asarray(y, x.dtype)))  # C's: toward zero
         return jnp.trunc(x / y)
     if rounding_mode == "floor":
         return floor_divide(x, y)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from tpudist.ops.lowerings._util import LOW_PRECISION, is_one, promote, upcast
+from tpudist.ops.lowerings._util import LOW_PRECISION, is_array, is_one, is_zero, promote, upcast
 from tpudist.ops.registry import lowers
 
 aten = torch.ops.aten
@@ -71,11 +71,20 @@ def matmul(x, y):
 
 
 def _scaled_sum(bias, prod, beta, alpha):
+    """``beta * bias + alpha * prod`` as torch's addmm family computes it: beta=0 ignores the bias (nan
+    and inf included), also when beta comes traced (the device passes a float scalar as a value); an
+    integer result takes beta and alpha converted to its dtype first (0.6 -> 0, as torch's kernels)."""
+    if jnp.issubdtype(prod.dtype, jnp.integer):
+        alpha, beta = (jnp.asarray(v).astype(prod.dtype) if is_array(v) else int(v) for v in (alpha, beta))
     if not is_one(alpha):
         prod = prod * alpha
-    if not isinstance(beta, (int, float)) or beta != 0:
-        return (bias if is_one(beta) else bias * beta) + prod
-    return jnp.broadcast_to(prod, jnp.broadcast_shapes(prod.shape, bias.shape))  # beta=0 ignores nan in bias
+    shape = jnp.broadcast_shapes(prod.shape, bias.shape)
+    if is_zero(beta):
+        return jnp.broadcast_to(prod, shape)
+    total = (bias if is_one(beta) else bias * beta) + prod
+    if is_array(beta):
+        return jnp.where(beta == 0, jnp.broadcast_to(prod, shape).astype(total.dtype), total)
+    return total
 
 
 @lowers(aten.addmm.default, aten.baddbmm.default, aten.addmv.default)
