@@ -6,7 +6,8 @@ error CPU torch does not give, in Debug, Strict and Fused modes.
   too (the device passes a float scalar to the program as a value, so the lowering cannot branch on it);
 - the same in int64 with float ``alpha``/``beta``: torch converts them to the integer dtype first;
 - ``div(rounding_mode="trunc")`` of integer tensors of different ranks (broadcast);
-- ``as_strided`` past the end of the storage raises torch's error instead of reading clamped elements.
+- ``as_strided`` past the end of the storage raises torch's error instead of reading clamped elements;
+- ``repeat_interleave`` with tensor repeats (its length read on the host; its meta kernel refuses).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def _cases():
         "int64 div trunc (5,1) by (5,)": (torch.div, (i(5, 1), i(5).clamp(min=1)), {"rounding_mode": "trunc"}),
         "int64 div trunc (2,5,3) by (5,3)": (torch.div, (i(2, 5, 3), i(5, 3).clamp(min=1)), {"rounding_mode": "trunc"}),
         "as_strided in bounds": (torch.as_strided, (torch.arange(10.0), (2, 2), (1, 2)), {"storage_offset": 6}),
+        "repeat_interleave tensor repeats": (torch.repeat_interleave, (b2, torch.tensor([0, 3, 1, 2, 0])), {"dim": 1}),
+        "repeat_interleave of repeats": (torch.repeat_interleave, (torch.tensor([2, 0, 1], dtype=torch.int32),), {}),
     }
 
 

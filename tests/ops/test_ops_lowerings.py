@@ -143,6 +143,11 @@ DIRECT += [(aten.convolution_backward.default, (_t(2, 4, 3, 3, dtype=torch.bfloa
            (aten.convolution_backward.default, (_t(2, 3, 6, 6, dtype=torch.bfloat16), _CV_X, _CV_W[:3, :1], [3],
                                                 [1, 1], [1, 1], [1, 1], False, [0, 0], 3, [True, True, False]), {})]
 
+# repeat_interleave with tensor repeats (its OpInfo's first sample repeats by an int): the index it
+# gathers with, its length read on the host, or given as output_size (then it traces)
+_RI = torch.tensor([0, 2, 1, 3])
+DIRECT += [(aten.repeat_interleave.Tensor, (_RI,), {}), (aten.repeat_interleave.Tensor, (_RI,), {"output_size": 6})]
+
 
 def _id(case):
     op, args, kwargs = case

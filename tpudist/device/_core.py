@@ -431,10 +431,15 @@ def _build(op, key, leaves):
     margs, mkwargs = unflatten_args(meta_leaves, treedef)
     try:
         meta = _NO_META if tops.uses_lowering_shapes(op) else op(*margs, **mkwargs)  # see shapes_from_lowering
-    except NotImplementedError as e:
+    except (NotImplementedError, RuntimeError) as e:
+        # no meta kernel, or one that needs the data (repeat_interleave's repeats without output_size:
+        # "cannot repeat_interleave a meta tensor ..."): JAX's abstract evaluation gives the shapes, or
+        # says they depend on the data (then the op runs concretely)
+        if isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError) and "meta tensor" not in str(e):
+            raise
         if "Meta" not in str(e) and "meta" not in str(e):
             raise
-        meta = _NO_META  # no meta kernel: JAX's abstract evaluation gives the shapes (or they depend on data)
+        meta = _NO_META
     schema = op._schema  # noqa: SLF001
     mutated = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     if mutated:

@@ -285,6 +285,21 @@ def nonzero(x):
     return jnp.stack(np.nonzero(_concrete_mask(x, "aten.nonzero")), axis=-1).astype(jnp.int64).reshape(-1, x.ndim)
 
 
+@lowers(aten.repeat_interleave.Tensor)
+def repeat_interleave_indices(repeats, *, output_size=None):
+    """``i`` repeated ``repeats[i]`` times (``x.repeat_interleave(repeats, dim)`` gathers with it). Its
+    length is the repeats' sum: read on the host unless ``output_size`` gives it (then it traces)."""
+    if repeats.ndim != 1:
+        raise RuntimeError(f"repeat_interleave: repeats must be a 1-d tensor here, got shape {tuple(repeats.shape)}")
+    if output_size is not None:
+        return jnp.repeat(jnp.arange(repeats.shape[0], dtype=repeats.dtype), repeats,
+                          total_repeat_length=output_size)
+    counts = concrete(repeats, "aten.repeat_interleave with tensor repeats", "pass output_size=")
+    if (counts < 0).any():
+        raise RuntimeError("repeats can not be negative")
+    return jnp.asarray(np.repeat(np.arange(counts.shape[0]), counts), repeats.dtype)
+
+
 @lowers(aten.nonzero_static.default)
 def nonzero_static(x, *, size, fill_value=-1):
     # a static shape, so it traces: the first ``size`` indices in row-major order, then fill_value rows
