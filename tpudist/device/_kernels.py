@@ -23,7 +23,7 @@ import torch
 
 import tpudist.ops as tops
 from tpudist.device import _core as core
-from tpudist.device import _execute, _layouts
+from tpudist.device import _execute, _hooks, _layouts
 from tpudist.device import _runtime as rt
 from tpudist.device import views
 from tpudist.device._storage import has_buffer
@@ -47,8 +47,8 @@ def view_kernel(op, *args, **kwargs):
 
 
 def as_strided_kernel(op, base, size, stride, storage_offset=None):
-    """``as_strided`` (and ``as_strided_``) with torch's bounds check, which its Meta kernel skips for a
-    storage without host data: a view past the storage's end read clamped elements, not an error."""
+    """``as_strided`` with torch's bounds check, which its Meta kernel skips for a storage without host
+    data: a view past the storage's end read clamped elements, not an error."""
     offset = base.storage_offset() if storage_offset is None else storage_offset
     last = offset  # the last element's position (a plain loop: every view op ends here, ~0.5 us in all)
     for n, s in zip(size, stride):
@@ -57,7 +57,8 @@ def as_strided_kernel(op, base, size, stride, storage_offset=None):
         last += (n - 1) * s
     else:
         itemsize, have = base.element_size(), base.untyped_storage().nbytes()
-        if (last + 1) * itemsize > have:
+        # without the C++ hooks (TPUDIST_CPP_HOOKS=0) a tpu storage reports 0 bytes whatever it holds
+        if (last + 1) * itemsize > have and (have or _hooks.active()):
             raise RuntimeError(
                 f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and itemsize "
                 f"{itemsize} requiring a storage size of {(last + 1) * itemsize} are out of bounds for storage "
