@@ -7,7 +7,8 @@ error CPU torch does not give, in Debug, Strict and Fused modes.
 - the same in int64 with float ``alpha``/``beta``: torch converts them to the integer dtype first;
 - ``div(rounding_mode="trunc")`` of integer tensors of different ranks (broadcast);
 - ``as_strided`` past the end of the storage raises torch's error instead of reading clamped elements;
-- ``repeat_interleave`` with tensor repeats (its length read on the host; its meta kernel refuses).
+- ``repeat_interleave`` with tensor repeats (its length read on the host; its meta kernel refuses);
+- 0x0 matrices in ``cholesky`` and ``pinv(hermitian=True)``, a 0-size ``log_softmax`` (JAX errors).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def _cases():
         "as_strided in bounds": (torch.as_strided, (torch.arange(10.0), (2, 2), (1, 2)), {"storage_offset": 6}),
         "repeat_interleave tensor repeats": (torch.repeat_interleave, (b2, torch.tensor([0, 3, 1, 2, 0])), {"dim": 1}),
         "repeat_interleave of repeats": (torch.repeat_interleave, (torch.tensor([2, 0, 1], dtype=torch.int32),), {}),
+        "cholesky of 0x0": (torch.linalg.cholesky, (torch.zeros(3, 0, 0),), {}),
+        "cholesky_ex upper of 0x0": (torch.linalg.cholesky_ex, (torch.zeros(0, 0),), {"upper": True}),
+        "pinv hermitian of 0x0": (torch.linalg.pinv, (torch.zeros(2, 0, 0),), {"hermitian": True}),
+        "log_softmax of a 0-size bf16": (torch.log_softmax, (torch.zeros(5, 0, 0, dtype=torch.bfloat16), -1), {}),
     }
 
 
@@ -63,8 +68,9 @@ def run_case(name: str, mode: str):
     fn, args, kwargs = _cases()[name]
     want = fn(*args, **kwargs)
     with torch.tpu.eager_mode(mode):
-        got = fn(*(a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args), **kwargs).cpu()
-    return want, got
+        got = fn(*(a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
+        got = tuple(g.cpu() for g in got) if isinstance(got, tuple) else got.cpu()
+    return (tuple(want) if isinstance(want, tuple) else want), got
 
 
 def as_strided_past_the_end(mode: str):
@@ -90,6 +96,11 @@ def as_strided_past_the_end(mode: str):
 @pytest.mark.parametrize("name", CASES)
 def test_edge_case_matches_cpu(dev, name, mode):
     want, got = dev(run_case, name, mode)
+    if isinstance(want, tuple):  # cholesky_ex: (factor, info)
+        assert len(got) == len(want)
+        for w, g in zip(want, got):
+            assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+        return
     assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=False)
 

@@ -195,7 +195,7 @@ def linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
         return jnp.matmul(mH(vh) * inverse[..., None, :], mH(u))
     vectors, values = jax.lax.linalg.eigh(hermitian_from(a, "L"), symmetrize_input=False)
     magnitude = jnp.abs(values)
-    tol = jnp.maximum(jnp.asarray(atol_)[..., None], jnp.asarray(rtol)[..., None] * magnitude.max(-1, keepdims=True))
+    tol = jnp.maximum(jnp.asarray(atol_)[..., None], jnp.asarray(rtol)[..., None] * jnp.max(magnitude, -1, keepdims=True, initial=0))
     inverse = jnp.where(magnitude > tol, 1 / values, 0).astype(a.dtype)
     return jnp.matmul(vectors * inverse[..., None, :], mH(vectors))
 
@@ -225,6 +225,8 @@ def _cholesky_info(a):
 
 def cholesky_with_info(a, upper: bool):
     """(factor, info) of the Hermitian matrix in ``a``'s lower (or upper) triangle, as potrf."""
+    if a.shape[-1] == 0:  # 0x0 matrices: nothing to factor (JAX's cholesky indexes into them)
+        return a, jnp.zeros(a.shape[:-2], jnp.int32)
     source = mH(a) if upper else a  # the upper triangle of a is the lower one of a^H
     lower = jax.lax.linalg.cholesky(hermitian_from(source, "L"), symmetrize_input=False)
     failed = jnp.any(~jnp.isfinite(lower), axis=(-2, -1))

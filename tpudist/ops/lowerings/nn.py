@@ -185,6 +185,8 @@ def softmax(x, dim, half_to_float=False):
 def log_softmax(x, dim, half_to_float=False):
     if not x.ndim:
         return jnp.zeros_like(upcast(x))
+    if not x.size:  # nothing to normalise (the max below has no identity)
+        return upcast(x)
     axis = dim_of(dim, x.ndim)
     if is_low_precision(x.dtype) and not half_to_float and axis == x.ndim - 1:
         # torch's CPU kernel along the last dim (LogSoftmaxKernelImpl.h serial_vec_log_softmax_lastdim_range)
