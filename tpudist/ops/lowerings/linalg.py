@@ -75,7 +75,7 @@ def _scaled_sum(bias, prod, beta, alpha):
     and inf included), also when beta comes traced (the device passes a float scalar as a value); an
     integer result takes beta and alpha converted to its dtype first (0.6 -> 0, as torch's kernels)."""
     if jnp.issubdtype(prod.dtype, jnp.integer):
-        alpha, beta = (jnp.asarray(v).astype(prod.dtype) if is_array(v) else int(v) for v in (alpha, beta))
+        alpha, beta = (v.astype(prod.dtype) if is_array(v) else int(v) for v in (alpha, beta))
     if not is_one(alpha):
         prod = prod * alpha
     shape = jnp.broadcast_shapes(prod.shape, bias.shape)

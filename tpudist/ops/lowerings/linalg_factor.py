@@ -195,7 +195,8 @@ def linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
         return jnp.matmul(mH(vh) * inverse[..., None, :], mH(u))
     vectors, values = jax.lax.linalg.eigh(hermitian_from(a, "L"), symmetrize_input=False)
     magnitude = jnp.abs(values)
-    tol = jnp.maximum(jnp.asarray(atol_)[..., None], jnp.asarray(rtol)[..., None] * jnp.max(magnitude, -1, keepdims=True, initial=0))
+    largest = jnp.max(magnitude, -1, keepdims=True, initial=0)  # 0 for 0x0 matrices
+    tol = jnp.maximum(jnp.asarray(atol_)[..., None], jnp.asarray(rtol)[..., None] * largest)
     inverse = jnp.where(magnitude > tol, 1 / values, 0).astype(a.dtype)
     return jnp.matmul(vectors * inverse[..., None, :], mH(vectors))
 
