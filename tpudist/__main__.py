@@ -2,6 +2,7 @@
 
     python -m tpudist describe v5p:4x4x4 --mesh 4x16 --axes dp,tp --plot mesh.png
     python -m tpudist soak --ranks 4 --calls 5000 --seed 1
+    python -m tpudist tpu-env --nproc-per-node 4 --json
     python -m tpudist warmup --dim 64 --heads 4 --seq-len 32 --batch 8 --dtype float32,bfloat16
 
 Each command is a small function registered on its own subparser; add new ones (e.g. ``train``) the
@@ -84,6 +85,29 @@ def _warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tpu_env(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from tpudist.mesh import tpu_env
+    from tpudist.mesh.tpu_facts import read_slice_facts
+
+    port = tpu_env.base_port(os.environ) if args.base_port is None else args.base_port
+    if not 0 < port < 65536 - args.nproc_per_node:
+        raise _UsageError(f"--base-port={port} is not a port range start for {args.nproc_per_node} processes")
+    plan = tpu_env.host_plan(read_slice_facts(os.environ), args.nproc_per_node, port, os.environ)
+    if args.json:
+        print(json.dumps(plan.to_json()))
+        return 0
+    print(f"slice {plan.slice}: {plan.slice.num_chips} chips, {plan.slice.num_hosts} host(s); "
+          f"{len(plan.ranks)} process(es) on this host")
+    for rank in plan.ranks:
+        print(f"local rank {rank.local_rank}:")
+        for name, value in rank.env:
+            print(f"  {name}={value}{'   (already set: yours wins)' if name in rank.user_set else ''}")
+    return 0
+
+
 class _UsageError(ValueError):
     pass
 
@@ -115,6 +139,14 @@ def _parser() -> argparse.ArgumentParser:
     soak.add_argument("--gloo", action=argparse.BooleanOptionalAction, default=True,
                       help="also run every call on gloo (--no-gloo: the local reference only)")
     soak.set_defaults(run=_soak)
+    tpu = commands.add_parser(
+        "tpu-env", help="show libtpu's variables each local rank of this TPU host will set (one process per chip)")
+    tpu.add_argument("--nproc-per-node", type=int, required=True, help="processes on this host (torchrun's)")
+    tpu.add_argument("--base-port", type=int, default=None,
+                     help="libtpu's first port (default TPUDIST_TPU_BASE_PORT or 8476); rank r uses base + r")
+    tpu.add_argument("--json", action="store_true",
+                     help='print {"slice": ..., "ranks": [{"local_rank": 0, "env": {...}}, ...]}')
+    tpu.set_defaults(run=_tpu_env)
     warmup = commands.add_parser(
         "warmup", help="compile the kernel library (tpudist.kernels.library) into the persistent compile cache")
     warmup.add_argument("--batch", type=int, default=8, help="sequences per call")
