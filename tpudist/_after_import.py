@@ -24,23 +24,34 @@ def when_imported(name: str, callback: Callable[[object], None]) -> None:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
+    """Wraps the loader of module ``name``'s spec; leaves ``sys.meta_path`` once that module has run.
+
+    A lookup that does not import (``importlib.util.find_spec(name)``, as a test's skip condition makes)
+    also reaches here: the finder stays until the module really executes, or the import after such a
+    probe would go unseen."""
+
     def __init__(self, name: str, callback: Callable[[object], None]) -> None:
         self.name = name
         self.callback = callback
+        self._finding = False  # the find_spec below asks the other finders: keep out of that lookup
 
     def find_spec(self, name, path=None, target=None):
-        if name != self.name:
+        if name != self.name or self._finding:
             return None
-        sys.meta_path.remove(self)  # one shot; also keeps find_spec below from finding this finder
-        spec = importlib.util.find_spec(name)
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
-        callback = self.callback
 
         def exec_then_call(module):
             exec_module(module)
-            callback(module)  # the module is complete here: its body ran
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+                self.callback(module)  # the module is complete here: its body ran
 
         spec.loader.exec_module = exec_then_call
         return spec

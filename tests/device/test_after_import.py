@@ -37,3 +37,24 @@ def test_callback_runs_after_the_import_finishes_and_once(tmp_path, monkeypatch)
 
 def _probe_finders() -> list:
     return [f for f in sys.meta_path if isinstance(f, _AfterImport) and f.name.startswith("tpudist_probe_pkg")]
+
+
+def test_a_lookup_that_does_not_import_leaves_the_callback_for_the_import(tmp_path, monkeypatch):
+    """A test's skip condition (``importlib.util.find_spec``) asks the finders without importing: the
+    import after it must still call back (safetensors' hook missed it, and load_file(device="tpu") failed)."""
+    import importlib.util
+
+    (tmp_path / "tpudist_probe_mod.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    when_imported("tpudist_probe_mod", lambda m: seen.append(m.VALUE))
+    try:
+        assert importlib.util.find_spec("tpudist_probe_mod") is not None
+        assert seen == [] and "tpudist_probe_mod" not in sys.modules
+        importlib.import_module("tpudist_probe_mod")
+        assert seen == [7]
+        assert not [f for f in sys.meta_path if isinstance(f, _AfterImport) and f.name == "tpudist_probe_mod"]
+    finally:
+        sys.modules.pop("tpudist_probe_mod", None)
+        for finder in [f for f in sys.meta_path if isinstance(f, _AfterImport) and f.name == "tpudist_probe_mod"]:
+            sys.meta_path.remove(finder)

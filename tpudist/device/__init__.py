@@ -43,7 +43,7 @@ def _install() -> None:
 
     from tpudist.device import (
         _accelerate, _accelerator, _attention, _autocast, _compile_default, _fsdp, _hooks, _kernels, _module, _pinned,
-        _serialization, _storage,
+        _safetensors, _serialization, _storage,
     )
 
     module = _module.build_module()
@@ -57,6 +57,7 @@ def _install() -> None:
     _autocast.register()
     _attention.register()
     _serialization.register()
+    _safetensors.register()
     if not cpp_hooks:
         _fsdp.register()  # the C++ hooks resize tpu storages: FSDP2's own free/alloc work
     _pinned.register(cpp_allocator=cpp_hooks)

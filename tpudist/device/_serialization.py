@@ -15,8 +15,9 @@ that shared a storage (tied weights, views) still share one on the device.
 
 Savers that find shared tensors by ``untyped_storage().data_ptr()`` (Hugging Face's ``save_pretrained``
 and its tied-weight check, safetensors) saw 0 for every tpu storage (they hold no host memory) and took
-all of a model's weights for one shared tensor. A tpu storage's ``data_ptr()`` is now the identity of
-its device buffer: equal for aliases, distinct otherwise (an identity, not an address to read).
+all of a model's weights for one shared tensor. A tpu storage's ``data_ptr()`` is the address the C++
+hooks give it (without them, the identity of its device buffer): equal for aliases, distinct otherwise,
+an identity rather than an address to read.
 """
 
 from __future__ import annotations
@@ -112,8 +113,13 @@ _original_data_ptr = torch.UntypedStorage.data_ptr
 
 
 def _storage_data_ptr(self) -> int:
+    """The address the C++ hooks gave the storage (``tensor.data_ptr()`` is it plus the offset's bytes, as
+    on CPU: safetensors' ``load_model`` and ``save_model`` compare the two), else its buffer's identity."""
+    address = _original_data_ptr(self)
+    if address:
+        return address
     buf = getattr(self, _ATTR, None)
-    return _original_data_ptr(self) if buf is None else id(buf)
+    return address if buf is None else id(buf)
 
 
 def register() -> None:
