@@ -57,6 +57,10 @@ def device():
                     f"world of WORLD_SIZE={world}: JAX's distributed runtime must start before any JAX "
                     "backend, and using the device starts one. Call init_process_group(\"tpu\") before "
                     "creating tpu tensors (or unset WORLD_SIZE for a single-process run).")
+            from tpudist.mesh import tpu_env
+
+            if tpu_env.platform() == "tpu":
+                tpu_env.configure_process(0, 1)  # chip 0 alone, set before JAX's TPU backend starts
             import jax
 
             _device = jax.local_devices()[0]

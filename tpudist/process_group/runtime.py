@@ -31,7 +31,6 @@ _COORDINATOR_KEY = "tpudist/jax_coordinator"
 _HEARTBEAT_S = 60
 _MIN_SHUTDOWN_S = 60
 _MIN_INIT_S = 30  # every rank must reach jax.distributed.initialize within this (or the group timeout)
-_PLATFORM_ENV = "TPUDIST_PLATFORM"
 _TOPOLOGY_ENV = "TPUDIST_TOPOLOGY"
 
 
@@ -81,14 +80,9 @@ def is_booted() -> bool:
 
 def _platform() -> str:
     """"cpu" emulates chips with processes; "tpu" drives real chips (TPUDIST_PLATFORM overrides)."""
-    explicit = os.environ.get(_PLATFORM_ENV)
-    if explicit:
-        if explicit not in ("cpu", "tpu"):
-            raise ValueError(f"{_PLATFORM_ENV}={explicit!r} is not a platform: use 'cpu' or 'tpu'")
-        return explicit
-    import importlib.util
+    from tpudist.mesh import tpu_env
 
-    return "tpu" if importlib.util.find_spec("libtpu") is not None else "cpu"
+    return tpu_env.platform()
 
 
 def topology_for(world_size: int) -> Any:
@@ -188,14 +182,23 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
                     f"world_size={_runtime.num_processes}, not rank={rank} of world_size={world_size}: "
                     "destroy_process_group() before starting another world")
             return _runtime
+        platform = _platform()
+        if platform == "tpu":
+            from tpudist.mesh import tpu_env
+
+            # libtpu reads its variables when the TPU backend starts: each rank takes its own chip.
+            # Bad facts or a launch that does not fit the slice fail here, before JAX starts.
+            topology = tpu_env.configure_process(rank, world_size)
+        else:
+            topology = topology_for(world_size)  # bad TPUDIST_TOPOLOGY fails before JAX starts
         import jax
 
-        topology = topology_for(world_size)  # bad TPUDIST_TOPOLOGY fails before JAX starts
-        platform = _platform()
         # JAX's preemption service catches SIGTERM, so a rank would ignore torchrun's SIGTERM and
         # be SIGKILLed 30 s later on every restart. torchrun owns the process lifecycle.
         jax.config.update("jax_enable_preemption_service", False)
-        collective_timeout_s = int(timeout.total_seconds())
+        # XLA:TPU has no collective timeout and cannot cancel a program: every group's timeout is
+        # enforced from the caller's side (group.py), and destroy gives up on a stuck one (work.py).
+        collective_timeout_s: float = float("inf")
         if platform == "cpu":
             _keep_freed_memory()
             collective_timeout_s = _collective_timeout_flag(timeout)
@@ -208,7 +211,8 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
         try:
             jax.distributed.initialize(
                 coordinator_address=address, num_processes=world_size, process_id=rank,
-                coordinator_bind_address=address, **coordination_timeouts(timeout, collective_timeout_s))
+                coordinator_bind_address=address,
+                **coordination_timeouts(timeout, int(min(collective_timeout_s, timeout.total_seconds()))))
         except RuntimeError as e:
             raise RuntimeStateError(
                 f"could not start JAX's distributed runtime at {address} (rank={rank}, "
@@ -224,11 +228,31 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
         by_process = {}
         for d in devices:
             by_process.setdefault(d.process_index, d)  # one chip (device) per process
-        _runtime = Runtime(platform, rank, world_size, tuple(by_process[r] for r in range(world_size)),
-                           topology, float(collective_timeout_s))
+        chips = tuple(by_process[r] for r in range(world_size))
+        if platform == "tpu":
+            topology = _check_tpu_chips(topology, chips, timeout)
+        _runtime = Runtime(platform, rank, world_size, chips, topology, float(collective_timeout_s))
         _owner_id = id(owner)
         _world.set_local_device(_runtime.local_device)
         return _runtime
+
+
+def _check_tpu_chips(topology: Any, chips: tuple[Any, ...], timeout: timedelta) -> Any:
+    """After the TPU backend started: the slice (a one-process world's from its chip) and each rank's
+    chip where the torus model puts it; else the runtime is torn down and the error raised."""
+    from tpudist.mesh import tpu_env
+    from tpudist.process_group.work import STREAM
+
+    try:
+        if topology is None:
+            topology = tpu_env.topology_of_chip(chips[0].device_kind)
+            tpu_env.check_topology_env(topology)
+        tpu_env.check_chip_coords(topology, chips)
+    except ValueError:
+        _teardown()
+        raise
+    STREAM.set_uncancellable(timeout.total_seconds() + 2 * STUCK_GRACE_S)
+    return topology
 
 
 # -- jaxlib's gloo TCP loop thread -----------------------------------------------------------------
@@ -386,6 +410,9 @@ def _teardown() -> None:
     import jax
     import jax.extend.backend
 
+    from tpudist.process_group.work import STREAM
+
+    STREAM.set_uncancellable(None)
     for forget in _on_teardown:
         forget()
     try:

@@ -75,7 +75,8 @@ class Work(dist._Work):  # noqa: SLF001 - the documented way to return works fro
             if event is not None and not event.wait(limit.total_seconds()):
                 raise CollectiveTimeout(f"{self._description} did not complete within the timeout of "
                                         f"{limit.total_seconds():g}s (Timed out waiting: a peer that "
-                                        "never reached it, or is still in an earlier collective)")
+                                        "never reached it, or is still in an earlier collective)"
+                                        f"{STREAM.stuck_hint}")
         if self._exception is not None:
             raise self._exception
         return True
@@ -122,6 +123,21 @@ class CommStream:
         self._pending = 0
         self._running: set[Work] = set()  # started, not finished (inline or on the thread)
         self._thread: threading.Thread | None = None
+        # Where collectives cannot be cancelled (a TPU program): how long drain() waits for a running
+        # one before it gives up, and what a timeout tells the user. None/"": wait (XLA:CPU ends a
+        # stuck collective at its collective timeout).
+        self.drain_limit_s: float | None = None
+        self.stuck_hint = ""
+
+    def set_uncancellable(self, drain_limit_s: float | None) -> None:
+        """The runtime's TPU world: a collective inside XLA runs until its peers arrive, so drain()
+        (destroy_process_group) waits at most ``drain_limit_s`` and a timeout says to restart. None
+        when the world ends."""
+        self.drain_limit_s = drain_limit_s
+        self.stuck_hint = "" if drain_limit_s is None else (
+            ". On a TPU a program cannot be cancelled: this process's chip stays inside it until the "
+            "missing ranks arrive or the process exits, so no later collective can run. Exit the "
+            "process and restart the job (torchrun --max-restarts restarts every rank)")
 
     def submit(self, work: Work, task: Callable[[], Any], *, async_op: bool) -> Work:
         """Queues ``task`` as ``work``, or runs it in the caller's thread: a synchronous call with
@@ -155,9 +171,16 @@ class CommStream:
         return work
 
     def drain(self) -> None:
-        """Blocks until every queued collective has run."""
+        """Blocks until every queued collective has run; where collectives cannot be cancelled, at most
+        ``drain_limit_s`` (then CollectiveTimeout: destroy_process_group must not wait forever)."""
+        limit = self.drain_limit_s
         with self._idle:
-            self._idle.wait_for(lambda: self._pending == 0)
+            if self._idle.wait_for(lambda: self._pending == 0, timeout=limit):
+                return
+            pending = self._pending
+        raise CollectiveTimeout(
+            f"destroy_process_group: {pending} collective(s) still queued or running after {limit:g}s, "
+            f"one of them inside XLA waiting for ranks that never arrived{self.stuck_hint}.")
 
     def busy(self) -> bool:
         """Whether a collective is queued or running (possibly blocked inside XLA)."""
