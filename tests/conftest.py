@@ -83,3 +83,62 @@ def pytest_collection_modifyitems(config, items):
     start, end = shard_bounds(shard, len(items))
     config.hook.pytest_deselected(items=items[:start] + items[end:])
     items[:] = items[start:end]
+
+
+# -- memory: each pytest process's peak, and its rank processes', printed at the end of a run -------------
+_MEMORY_KEY = "tpudist_memory"
+
+
+def _memory_of_this_process() -> dict:
+    """This pytest process's peak resident bytes, its largest child's (ranks, torchrun, subprocesses: Linux's
+    RUSAGE_CHILDREN keeps the largest), and the rank processes its pools closed, largest first."""
+    import resource
+
+    from tpudist.testing import rank_peaks
+
+    ranks = sorted(rank_peaks(), reverse=True)
+    return {"self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+            "num_ranks": len(ranks), "ranks": [tuple(r) for r in ranks[:3]]}
+
+
+def pytest_sessionfinish(session):
+    report = _memory_of_this_process()
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller prints it
+        import json
+
+        session.config.workeroutput[_MEMORY_KEY] = json.dumps(report)
+    else:
+        session.config.stash.setdefault(_MEMORY_STASH, {})["main"] = report
+
+
+_MEMORY_STASH = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    import json
+
+    data = getattr(node, "workeroutput", {}).get(_MEMORY_KEY)
+    if data is not None:
+        node.config.stash.setdefault(_MEMORY_STASH, {})[node.gateway.id] = json.loads(data)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    reports = config.stash.get(_MEMORY_STASH, {})
+    if not reports:
+        return
+    gb = 1024 ** 3
+    terminalreporter.section("peak resident memory")
+    for name, r in sorted(reports.items()):
+        terminalreporter.write_line(f"{name}: pytest process {r['self'] / gb:.2f} GB, largest child process "
+                                    f"{r['children'] / gb:.2f} GB, {r['num_ranks']} rank processes")
+        for peak, pid, world_size, during in r["ranks"]:
+            terminalreporter.write_line(f"    rank pid {pid} ({world_size} ranks): {peak / gb:.2f} GB during "
+                                        f"{during or 'no test'}")
+    # under xdist the controller's children are the workers, counted already
+    workers = [r for name, r in reports.items() if name != "main"]
+    total = sum(r["self"] + r["children"] for r in workers) + reports["main"]["self"] if workers else \
+        reports["main"]["self"] + reports["main"]["children"]
+    terminalreporter.write_line(f"at most {total / gb:.2f} GB at once: each pytest process's peak and its largest "
+                                "child's, added up")

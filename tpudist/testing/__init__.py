@@ -13,7 +13,7 @@ Example:
 """
 
 from tpudist.testing._commands import run_command, torchrun_command
-from tpudist.testing._pool import RankError, RankPool, RankTimeout, free_port, run_ranks
+from tpudist.testing._pool import RankError, RankPeak, RankPool, RankTimeout, free_port, rank_peaks, run_ranks
 
-__all__ = ["RankError", "RankPool", "RankTimeout", "free_port", "run_command", "run_ranks",
-           "torchrun_command"]
+__all__ = ["RankError", "RankPeak", "RankPool", "RankTimeout", "free_port", "rank_peaks", "run_command",
+           "run_ranks", "torchrun_command"]

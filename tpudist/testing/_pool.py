@@ -26,7 +26,7 @@ import time
 import traceback
 import warnings
 from multiprocessing.connection import Connection, Listener, wait
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 _DEFAULT_TIMEOUT_S = 120.0
 _START_TIMEOUT_S = 120.0
@@ -70,6 +70,34 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class RankPeak(NamedTuple):
+    """The peak resident memory of one rank process, read as its pool closed it."""
+
+    bytes: int
+    pid: int
+    world_size: int
+    during: str  # the test that was running (PYTEST_CURRENT_TEST), if any
+
+
+_RANK_PEAKS: list[RankPeak] = []
+
+
+def rank_peaks() -> list[RankPeak]:
+    """Peak resident memory (Linux VmHWM) of every rank this process's pools have closed, in closing order."""
+    return list(_RANK_PEAKS)
+
+
+def _peak_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # gone already, or no /proc (not Linux)
+        pass
+    return None
 
 
 class RankPool:
@@ -207,6 +235,11 @@ class RankPool:
         if self.started_by == "inprocess":  # nothing to end: the "rank" is this process
             self._procs, self._conns = [], []
             return
+        during = os.environ.get("PYTEST_CURRENT_TEST", "")
+        for proc in self._procs:
+            peak = _peak_bytes(proc.pid)
+            if peak is not None:
+                _RANK_PEAKS.append(RankPeak(peak, proc.pid, self.world_size, during))
         for conn in self._conns if graceful else ():
             try:
                 conn.send_bytes(pickle.dumps(("exit",)))
