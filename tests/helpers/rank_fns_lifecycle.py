@@ -122,3 +122,25 @@ def abort_while_blocked(path: str, timeout_s: float, abort_after_s: float, use_a
     out["threads_after"] = tpudist_threads()
     dist.destroy_process_group()
     return out
+
+
+def uncancellable_collective_names_the_absent(sleep_s: float):
+    """A TPU world's timeout on CPU: the runtime marks collectives uncancellable (as on a TPU), and a group's
+    timeout (2 s) below XLA's collective timeout (the world's, much longer) makes the caller time out while
+    the program still waits inside XLA, as it would on a chip. Rank 1 never reaches the all_reduce."""
+    from tpudist.process_group.work import STREAM, CollectiveTimeout
+
+    group = dist.new_group(timeout=timedelta(seconds=2))
+    STREAM.set_uncancellable(30.0)
+    try:
+        if dist.get_rank() != 0:
+            time.sleep(sleep_s)
+            return "stayed away"
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(3), group=group)
+            return "no error"
+        except CollectiveTimeout as e:
+            return f"after {time.monotonic() - start:.1f}s: {e}"
+    finally:
+        STREAM.set_uncancellable(None)

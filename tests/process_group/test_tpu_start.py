@@ -173,3 +173,18 @@ def test_on_cpu_destroy_waits_for_xla_to_end_the_collective():
     stream.drain()
     assert release.is_set()
     stream.stop()
+
+
+def test_a_stuck_collective_names_the_ranks_that_never_reached_it():
+    """On a TPU the caller's timeout, not XLA, ends the wait: the error still names the absent rank."""
+    import re
+
+    import rank_fns_lifecycle as fns
+
+    from tpudist.testing import RankPool
+
+    with RankPool(2, timeout=120) as pool:
+        got, away = pool.run(fns.uncancellable_collective_names_the_absent, 12.0)
+    assert away == "stayed away"
+    assert re.search(r"is waiting inside XLA for ranks \[1\], which never reached it", got), got
+    assert re.search(r"; all_reduce #\d+ over global ranks \[0, 1\] is waiting", got) and "restart the job" in got, got

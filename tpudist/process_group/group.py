@@ -155,10 +155,15 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         compiled = programs.program(key) if not isinstance(block, DeviceCall) else device_arrays.program(block)
         seq = self._programs_run[key.group] = self._programs_run.get(key.group, 0) + 1
         fingerprint = compiled.call_fingerprint(self._group_code, seq)
+        if STREAM.drain_limit_s is not None:  # a TPU program: a timeout names who it waits for
+            STREAM.running = (f"{op} #{seq} over global ranks {list(key.group)}",
+                              lambda: self._absent_ranks(key.group, seq))
         try:
             result, fingerprints = compiled.run(block, fingerprint, dest)
         except Exception as e:  # XLA raises ValueError/JaxRuntimeError: make it a c10d-style error
             raise self._failure(op, key.group, seq, e) from e
+        finally:
+            STREAM.running = None
         if result is None:  # run() compared every rank's fingerprint: they differ, nothing moved
             raise self._mismatch(op, key.group, fingerprints)
         return result

@@ -76,7 +76,7 @@ class Work(dist._Work):  # noqa: SLF001 - the documented way to return works fro
                 raise CollectiveTimeout(f"{self._description} did not complete within the timeout of "
                                         f"{limit.total_seconds():g}s (Timed out waiting: a peer that "
                                         "never reached it, or is still in an earlier collective)"
-                                        f"{STREAM.stuck_hint}")
+                                        f"{STREAM.stuck_detail()}")
         if self._exception is not None:
             raise self._exception
         return True
@@ -128,6 +128,9 @@ class CommStream:
         # stuck collective at its collective timeout).
         self.drain_limit_s: float | None = None
         self.stuck_hint = ""
+        # The program running now, where collectives cannot be cancelled: (what it is, the global ranks
+        # that did not reach it, found through the store after a timeout). Set by the group around a run.
+        self.running: tuple[str, Callable[[], list[int]]] | None = None
 
     def set_uncancellable(self, drain_limit_s: float | None) -> None:
         """The runtime's TPU world: a collective inside XLA runs until its peers arrive, so drain()
@@ -138,6 +141,18 @@ class CommStream:
             ". On a TPU a program cannot be cancelled: this process's chip stays inside it until the "
             "missing ranks arrive or the process exits, so no later collective can run. Exit the "
             "process and restart the job (torchrun --max-restarts restarts every rank)")
+
+    def stuck_detail(self) -> str:
+        """For a timeout where collectives cannot be cancelled: which program is stuck, the ranks that never
+        reached it (each timed-out rank reports through the store; the ones that do not are named), and
+        what to do. Empty where XLA ends a stuck collective itself (CPU)."""
+        if self.drain_limit_s is None:
+            return ""
+        running = self.running
+        if running is None:
+            return self.stuck_hint
+        what, absent = running
+        return f"; {what} is waiting inside XLA for ranks {absent()}, which never reached it{self.stuck_hint}"
 
     def submit(self, work: Work, task: Callable[[], Any], *, async_op: bool) -> Work:
         """Queues ``task`` as ``work``, or runs it in the caller's thread: a synchronous call with
