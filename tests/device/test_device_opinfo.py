@@ -140,8 +140,12 @@ def _run_sample(info, sample, dtype, base, compare):
         if op_name == info.name and isinstance(actual, (list, tuple)) and index < len(actual):
             actual = list(actual)
             actual[index] = actual[index].to(expected[index].dtype)
-    atol = 1e-5 if info.name in base.ACCUMULATING and dtype == torch.float32 else None
-    why = compare(expected, actual, values=info.name not in base.RANDOM, atol=atol)
+    bounded = base.ERROR_BOUND.get((info.name, dtype))
+    if bounded is not None:  # within the algorithm's error bound of float64 (forward only here)
+        why = compare(expected, actual, values=False) or bounded(sample, dtype, actual, None)
+    else:
+        atol = 1e-5 if info.name in base.ACCUMULATING and dtype == torch.float32 else None
+        why = compare(expected, actual, values=info.name not in base.RANDOM, atol=atol)
     return ("pass", "") if why is None else ("mismatch", why)
 
 
