@@ -419,7 +419,10 @@ def render() -> None:
     print(f"wrote {PAGE.relative_to(ROOT)} and {PLOTS.relative_to(ROOT)}/*.png")
 
 
-_TPU_MODES = {"twin": "JAX twin", "compiled": "compiled", "compiled_shaped": "compiled, N-d storages",
+_TPU_MODES = {"twin_splash": "JAX twin, splash attention", "twin_flash": "JAX twin, tpudist's flash kernel",
+              "twin_xla": "JAX twin, XLA attention",
+              "twin": "old JAX twin (before issue #57: XLA attention, pair RoPE, 8 kv heads)",
+              "compiled": "compiled", "compiled_shaped": "compiled, N-d storages",
               "layers": "compiled per layer", "fused": "Fused", "fused_shaped": "Fused, N-d storages",
               "hf": "HF Llama (Fused)", "strict": "Strict"}
 
@@ -442,7 +445,7 @@ def render_tpu(record: dict) -> list[str]:
            f"`benchmarks/tpu_step.py`: the recipe's Transformer (dim {c['dim']}, {c['layers']} layers, {c['heads']} "
            f"heads, {c['kv_heads']} kv heads, vocab {c['vocab']}, {c['params'] / 1e6:.1f}M parameters, {c['dtype']}), "
            f"seq {c['seq']}, batch {c['batch']}, AdamW; one mode after another from the same weights and batches, "
-           f"caches {c['cache']}. The JAX twin is the same model written in plain JAX (one jitted step). "
+           f"caches {c['cache']}. A JAX twin is the same model written in plain JAX (one jitted step). "
            f"FLOPs/step {p['flops_per_step'] / 1e12:.2f} T = `{p['flops_formula']}`; MFU against "
            f"{p['peak_flops'] / 1e12:.0f} TFLOP/s.", "",
            "| mode | step 1 s | step 2 s | XLA compiles step 1 / 2 / timed | median step ms | tokens/s | TFLOP/s "
@@ -480,10 +483,19 @@ def render_tpu(record: dict) -> list[str]:
         out += ["Step-1 loss against the twin's (same weights and batch; bf16 rounding apart they are one model): "
                 + ", ".join(f"{_TPU_MODES.get(k, k)} {v:.1e}" for k, v in p["first_loss_rel_diff_vs_twin"].items())
                 + " relative.", ""]
+    twin = p.get("anchor", "twin" if "twin" in p["modes"] else None)  # JSONs before issue #57 name none
+    if twin:
+        out += [f"The ratios' twin (the anchor): {_TPU_MODES.get(twin, twin)}"
+                + (". It is the twin of before issue #57, which a JAX expert would not write (XLA's full "
+                   "seq x seq attention, RoPE on a padded size-2 axis): ratios to it flatter the torch modes; "
+                   "`benchmarks/jax_twin.py` now writes the model as an expert would."
+                   if twin == "twin" else ", the fastest twin of the run.") + (
+                    f" The twin was kept from the run of {p['modes'][twin]['run']['started_utc']}."
+                    if p["modes"].get(twin, {}).get("run") else ""), ""]
     if p.get("ratios"):
         out += ["Ratios: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in p["ratios"].items()) + ".", ""]
     if p.get("targets"):
-        out += ["| target (issue #37) | value | bar | |", "|---|---|---|---|"]
+        out += [f"| target (issue #37; twin: {_TPU_MODES.get(twin, twin)}) | value | bar | |", "|---|---|---|---|"]
         for t in p["targets"]:
             value = "-" if t["value"] is None else f"{t['value']:.2f}"
             out.append(f"| {t['what']} | {value} | {t['op']} {t['bar']} | {t['status']} |")
@@ -497,7 +509,10 @@ def render_tpu(record: dict) -> list[str]:
         top = "; ".join(f"{o['category']} {o['shape'] or o['name'][:30]}"
                         + (f" (`{o['what'][-60:]}`)" if o.get("what") else "") + f" {o['s_per_step'] * 1e3:.1f} ms"
                         for o in prof["top_ops"][:3])
-        rows.append(f"- {_TPU_MODES.get(name, name)}: op time {prof['ops_s_per_step'] * 1e3:.1f} ms/step ({cats}); "
+        how = (f"fusions read from the HLO of {prof['hlo_modules']} programs" if prof.get("hlo_modules")
+               else "matmuls by op name only: those fused into a `fusion.N` count as other")
+        rows.append(f"- {_TPU_MODES.get(name, name)}: op time {prof['ops_s_per_step'] * 1e3:.1f} ms/step "
+                    f"({cats}; {how}); "
                     f"largest: {top}.")
     if rows:
         out += ["Where the device time goes (JAX profiler, `benchmarks/xla_profile.py`; shares of op time):", ""]

@@ -6,7 +6,13 @@ like ``%convolution_reduce_fusion.3 = bf16[8,1024,2736]{...} fusion(...)``), rea
 ``jax.profiler.ProfileData`` (layout checked on a v5e, jax 0.10.2, 2026-12-05). :func:`summarize`
 turns the trace of ``num_steps`` steps into per-step numbers: the device's busy time (the union of
 program runs), programs per step and the largest ones, the op time by category (matmul, attention
-scores, copy/transpose, collective, other), and the top ops.
+scores and kernels, copy/transpose, collective, other), and the top ops.
+
+A TPU fuses most matmuls into ``fusion.N`` ops whose names say nothing (the JAX twin's all did on
+2026-12-07). :class:`FusionIndex` reads the optimized HLO text of the programs a mode ran (XLA's
+``--xla_dump_to`` dump, ``*after_optimizations.txt``; ``tpu_step.py`` writes it) and calls a fusion a
+matmul when its fused computation, or one that computation calls, holds a ``dot`` or ``convolution``:
+the categories then mean the same in every mode, whatever XLA named the op.
 
 On CPU there is no device plane: programs run as XLA:CPU thunks on host threads. Then the
 ``device`` part is ``None`` and the ops are the thunk events (their ``hlo_op`` stat), which is
@@ -16,10 +22,16 @@ enough to see the largest ones but not a busy time.
 from __future__ import annotations
 
 import glob
+import os
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 
-CATEGORIES = ("matmul", "attention scores", "copy/transpose", "collective", "other")
+CATEGORIES = ("matmul", "attention", "copy/transpose", "collective", "other")
+_MATMUL_OPCODES = ("dot", "convolution")
+# attention kernels as custom-calls: the project's Pallas flash kernels (tpudist_flash_attention*), JAX's
+# splash attention (splash_mha_fwd*, ...)
+_ATTENTION_KERNEL = re.compile(r"flash_attention|splash|attention")
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _COPIES = ("copy", "transpose", "bitcast", "reshape", "copy-start", "copy-done", "dynamic-update-slice")
 
@@ -38,12 +50,19 @@ def parse_op(name: str) -> tuple[str, str, list[tuple[int, ...]]]:
     return short, opcode, shapes
 
 
-def categorize(short: str, opcode: str, shapes: list, seq: int, hlo_category: str = "") -> str:
-    """One of :data:`CATEGORIES`. An op is "attention scores" when an output has rank >= 3 and ends in
-    ``(seq, seq)`` (weights are 2-d, so ``dim == seq`` does not confuse them); "matmul" when XLA's
-    category or the name says convolution/dot (TPU XLA emits dots as convolutions)."""
+def categorize(short: str, opcode: str, shapes: list, seq: int, hlo_category: str = "",
+               fused_matmul: bool | None = None) -> str:
+    """One of :data:`CATEGORIES`. An op is "attention" when an output has rank >= 3 and ends in
+    ``(seq, seq)`` (XLA's scores; weights are 2-d, so ``dim == seq`` does not confuse them) or it is an
+    attention kernel's custom-call; "matmul" when its fusion holds a dot or convolution (``fused_matmul``,
+    from :class:`FusionIndex`), or else when XLA's category or the name says convolution/dot (TPU XLA
+    emits dots as convolutions)."""
     if seq and any(len(s) >= 3 and s[-2:] == (seq, seq) for s in shapes):
-        return "attention scores"
+        return "attention"
+    if opcode == "custom-call" and _ATTENTION_KERNEL.search(short):
+        return "attention"
+    if fused_matmul:
+        return "matmul"
     text = f"{hlo_category} {short} {opcode}".lower()
     if "convolution" in text or re.search(r"\bdot\b|dot[._]|matmul", text):
         return "matmul"
@@ -52,6 +71,86 @@ def categorize(short: str, opcode: str, shapes: list, seq: int, hlo_category: st
     if "data formatting" in text or opcode in _COPIES or re.match(r"(copy|transpose)\b|copy[._]|transpose[._]", short):
         return "copy/transpose"
     return "other"
+
+
+# -- fusions that hold a matmul, from the programs' HLO text -------------------------------------------------
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # a computation's first line
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_CALLS = re.compile(r"calls=(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def fusions(hlo_text: str) -> dict[str, tuple[str, bool]]:
+    """``{fusion instruction name: (its result type, whether it holds a matmul)}`` for an HLO module's text:
+    a fusion holds one when its fused computation, or a computation that one calls (nested fusions),
+    has a ``dot`` or ``convolution`` instruction."""
+    opcodes: dict = defaultdict(set)  # computation -> its instructions' opcodes
+    called: dict = defaultdict(list)  # computation -> the computations its instructions call
+    fusion_calls: dict = {}  # fusion instruction -> (result type, the computations it calls)
+    current = None
+    for line in hlo_text.splitlines():
+        if not line.startswith((" ", "\t")):
+            header = _HEADER.match(line)
+            current = header.group(1) if header else None
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if current is None or not instruction:
+            continue
+        name, rest = instruction.groups()
+        _, opcode, _ = parse_op(f"{name} = {rest}")
+        opcodes[current].add(opcode)
+        calls = _CALLS.search(rest)
+        targets = re.findall(r"[\w.\-]+", calls.group(1).replace("%", "")) if calls else []
+        called[current] += targets
+        if opcode == "fusion":
+            fusion_calls[name] = (result_type(f"{name} = {rest}"), targets)
+    memo: dict = {}
+
+    def holds(computation: str, seen=frozenset()) -> bool:
+        if computation not in memo:
+            memo[computation] = bool(opcodes[computation] & set(_MATMUL_OPCODES)) or any(
+                holds(c, seen | {computation}) for c in called[computation] if c not in seen)
+        return memo[computation]
+
+    return {name: (rtype, any(holds(c) for c in targets)) for name, (rtype, targets) in fusion_calls.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class FusionIndex:
+    """Which fusion ops hold a matmul, over the HLO modules a mode ran. Op names are per program: a name
+    two programs give to different fusions is told apart by its result type (layout included), and
+    where even that is ambiguous the index has no answer (the op falls back to its name)."""
+
+    by_key: dict  # (name, result type) -> set of verdicts
+    by_name: dict  # name -> set of verdicts
+    modules: int = 0
+
+    @classmethod
+    def from_texts(cls, texts) -> "FusionIndex":
+        by_key, by_name, n = defaultdict(set), defaultdict(set), 0
+        for text in texts:
+            n += 1
+            for name, (rtype, matmul) in fusions(text).items():
+                by_key[(name, rtype)].add(matmul)
+                by_name[name].add(matmul)
+        return cls(dict(by_key), dict(by_name), n)
+
+    def holds_matmul(self, name: str, rtype: str = "") -> bool | None:
+        """True or False where the HLO says, None where no module (or more than one, differently) has it."""
+        for verdicts in (self.by_key.get((name, rtype)), self.by_name.get(name)):
+            if verdicts is not None and len(verdicts) == 1:
+                return next(iter(verdicts))
+        return None
+
+
+def load_hlo_texts(dump_dir: str, since: float = 0.0) -> list[str]:
+    """The optimized HLO modules XLA dumped under ``dump_dir`` (``--xla_dump_to``, ``--xla_dump_hlo_as_text``)
+    from ``since`` (a ``time.time()``) on: one mode's programs, not those of the modes before it."""
+    texts = []
+    for path in sorted(glob.glob(os.path.join(dump_dir, "**", "*after_optimizations.txt"), recursive=True)):
+        if os.path.getmtime(path) >= since:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                texts.append(f.read())
+    return texts
 
 
 _WHAT_STATS = ("tf_op", "source", "source_info", "op_name")  # stats a profile may name an op's source by
@@ -87,8 +186,10 @@ def _union_ns(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> dict:
-    """Per-step summary of the trace(s) under ``trace_dir`` (see the module docstring)."""
+def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12, hlo_texts=()) -> dict:
+    """Per-step summary of the trace(s) under ``trace_dir`` (see the module docstring); ``hlo_texts``: the
+    optimized HLO of the programs that ran (:func:`load_hlo_texts`), to find the matmuls inside fusions."""
+    index = FusionIndex.from_texts(hlo_texts)
     from jax.profiler import ProfileData
 
     paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
@@ -136,13 +237,17 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
                                         "shape": "", "what": ""})
     copy_types: dict = defaultdict(lambda: [0, 0.0])  # (opcode, result type with its layout) -> runs, ns
     stat_keys: set = set()
+    fused_matmul_ops: set = set()
     categories = dict.fromkeys(CATEGORIES, 0.0)
     flops_by_category = dict.fromkeys(CATEGORIES, 0.0)
     for name, dur, stats in ops:
         # the event name is the HLO text on a v5e; where it is a bare name, a long_name stat may hold the text
         long_name = name if " = " in name else str(stats.get("long_name", name))
         short, opcode, shapes = parse_op(long_name if " = " in long_name else name)
-        category = categorize(short, opcode, shapes, seq, str(stats.get("hlo_category", "")))
+        fused = index.holds_matmul(short, result_type(long_name)) if opcode in ("fusion", "") else None
+        category = categorize(short, opcode, shapes, seq, str(stats.get("hlo_category", "")), fused)
+        if fused:
+            fused_matmul_ops.add(short)
         stat_keys.update(stats)
         what = what_of(long_name, stats)
         # one name in two programs is two ops: told apart by their program where the profile names it, else
@@ -162,6 +267,8 @@ def summarize(trace_dir: str, num_steps: int, seq: int = 0, top: int = 12) -> di
             copy_types[(opcode, result_type(long_name))][0] += 1
             copy_types[(opcode, result_type(long_name))][1] += dur
     total = sum(categories.values())
+    out["hlo_modules"] = index.modules
+    out["fused_matmul_ops"] = len(fused_matmul_ops)  # op names the HLO, not the name, made matmuls
     out["ops_s_per_step"] = total / 1e9 / num_steps
     out["categories"] = {k: {"s_per_step": v / 1e9 / num_steps, "share": v / total if total else 0.0}
                          for k, v in categories.items()}
@@ -249,6 +356,12 @@ def format_summary(summary: dict, wall_s: float, model_flops: float) -> list[str
                      + (" | ".join(parts) + f" | idle to the step's end {tl['idle_after_ms']:.1f}" if parts
                         else "no program started inside it (clocks not aligned?)"))
     cats = summary["categories"]
+    if summary.get("hlo_modules"):
+        lines.append(f"    fusions read from the HLO of {summary['hlo_modules']} programs: "
+                     f"{summary['fused_matmul_ops']} fused ops hold a matmul")
+    else:
+        lines.append("    no HLO text read (no dump, or every program came from a cache): matmuls found by op "
+                     "name only")
     lines.append(f"    op time {summary['ops_s_per_step'] * 1e3:.1f} ms/step: " + ", ".join(
         f"{k} {v['s_per_step'] * 1e3:.1f} ms ({v['share'] * 100:.0f}%)" for k, v in cats.items() if v["s_per_step"]))
     matmul_s = cats["matmul"]["s_per_step"]
@@ -257,7 +370,7 @@ def format_summary(summary: dict, wall_s: float, model_flops: float) -> list[str
                      "stats)")
     elif matmul_s and dev is not None:
         lines.append(f"    model FLOPs / matmul-op time = {model_flops / matmul_s / 1e12:.1f} TFLOP/s (an upper bound "
-                     "on the matmuls' rate: attention's FLOPs partly run in 'attention scores' ops)")
+                     "on the matmuls' rate: attention's FLOPs run in 'attention' ops)")
     lines += [_op_line(op) for op in summary["top_ops"]]
     shown = {op["name"] for op in summary["top_ops"]}
     copies = [op for op in summary.get("top_copies", ()) if op["name"] not in shown]
