@@ -554,9 +554,10 @@ def _sync_device() -> None:
     """Points the tpu device, if ``tpudist.device`` is installed, at the runtime's chip (or at none)."""
     import sys
 
-    device_runtime = sys.modules.get("tpudist.device._runtime")
-    if device_runtime is not None:
-        device_runtime.follow_process_group()
+    if "tpudist.device" in sys.modules:  # installed (importing it here would install it)
+        from tpudist.device import interop
+
+        interop.follow_process_group()
 
 
 @functools.cache

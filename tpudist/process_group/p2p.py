@@ -620,9 +620,9 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     their storage) share memory only within one storage."""
     a_dev, b_dev = _on_device(a), _on_device(b)
     if a_dev or b_dev:
-        from tpudist.device import _storage
+        from tpudist.device import interop
 
-        if not (a_dev and b_dev) or _storage.buffer_of(a) is not _storage.buffer_of(b):
+        if not (a_dev and b_dev) or interop.buffer_of(a) is not interop.buffer_of(b):
             return False
     return overlaps(a, b)
 

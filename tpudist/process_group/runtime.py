@@ -91,6 +91,9 @@ def _platform() -> str:
     return "tpu" if importlib.util.find_spec("libtpu") is not None else "cpu"
 
 
+platform = _platform  # the public name, for the packages above (the trainer's --device auto)
+
+
 def topology_for(world_size: int) -> Any:
     """The slice named by ``TPUDIST_TOPOLOGY``, or the smallest v5p slice holding the world.
 
