@@ -33,7 +33,7 @@ import numpy as np
 
 from tpudist.process_group import envelope, programs
 from tpudist.process_group.lowerings import LOWERINGS
-from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.keys import ProgramKey
 
 DEVICE_FLAG = 1 << 30  # in fingerprint word 0 (root_code * 256 + op index: far below 2**30)
 

@@ -19,7 +19,7 @@ import torch
 from tpudist.process_group import device_arrays as da
 from tpudist.process_group.checks import (check_all_to_all_lists, check_even_all_to_all, check_numel, check_output,
                                           check_same_dtype, split_all_to_all)
-from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.keys import DTYPE_NAMES, ProgramKey
 from tpudist.process_group.work import Work
 
 _NUMERIC = {torch.bool: "uint8", torch.bfloat16: "bfloat16"}  # else: the numpy name of the dtype
@@ -62,16 +62,10 @@ def _numeric(op: str, dtype: torch.dtype) -> str:
             name = np.dtype(str(dtype).removeprefix("torch.")).name
         except TypeError:
             name = ""
-        if name not in programs_dtypes():
+        if name not in DTYPE_NAMES:
             raise TypeError(f"{op}: dtype={dtype} is not supported for tpu tensors in collectives; use "
                             "float16/bfloat16/float32/float64, int8-int64, uint8, bool or complex")
     return name
-
-
-def programs_dtypes() -> tuple[str, ...]:
-    from tpudist.process_group import programs
-
-    return programs._DTYPE_NAMES  # noqa: SLF001 - the dtypes a fingerprint can name
 
 
 def _key(pg: Any, op: str, shape: tuple, dtype: str, reduce: str | None = None, static: tuple = (),

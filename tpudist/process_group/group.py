@@ -2,7 +2,7 @@
 exchange, then the op's data program where its data does not fit the envelope (programs.py).
 
 torch calls the methods below (their names and argument shapes are c10d's); each validates its
-input, builds a :class:`~tpudist.process_group.programs.ProgramKey` and a host block, and submits
+input, builds a :class:`~tpudist.process_group.keys.ProgramKey` and a host block, and submits
 the program to the process's comm stream. Results are written back into the caller's tensors.
 Synchronous all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast and even
 all_to_all_single calls on contiguous CPU tensors take flat paths (``_flat_all_reduce``,
@@ -33,7 +33,7 @@ from tpudist.process_group.checks import (STUCK_GRACE_S, check_device, check_num
                                           looks_like_timeout)
 from tpudist.process_group.movement import DataMovement
 from tpudist.process_group.p2p import P2P
-from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.keys import ProgramKey
 from tpudist.process_group.runtime import GLOO_LOOP
 from tpudist.process_group.work import (STREAM, CollectiveError, CollectiveMismatch,
                                         CollectiveTimeout, Work)

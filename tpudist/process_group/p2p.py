@@ -35,7 +35,7 @@ from tpudist.process_group import device_collectives as dc
 from tpudist.process_group import programs
 from tpudist.process_group import tensors as tz
 from tpudist.process_group.checks import check_output, overlaps
-from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.keys import ProgramKey
 from tpudist.process_group.runtime import GLOO_LOOP
 from tpudist.process_group.work import STREAM, CollectiveMismatch, Work
 

@@ -5,7 +5,7 @@ along the one mesh axis ``AXIS``), and so is every output. A :class:`Lowering` s
 block becomes the inputs and the outputs its result: one of each for most ops, one per peer for the
 direct lowerings of all_to_all, all_gather, reduce_scatter and all_reduce (see
 :mod:`~tpudist.process_group.lowerings`).
-Programs are cached in memory by :class:`ProgramKey`; :func:`cache_stats` makes the hit rate
+Programs are cached in memory by :class:`~tpudist.process_group.keys.ProgramKey`; :func:`cache_stats` makes the hit rate
 observable. Their XLA executables are also kept in tpudist's program cache
 (:func:`tpudist.program_cache.load_or_compile`), keyed by the program and its devices: a rank
 loads what any rank of any run compiled (2-3 ms instead of a 100-220 ms compile).
@@ -33,27 +33,13 @@ from typing import Any, Callable
 import numpy as np
 
 from tpudist.process_group import envelope, runtime
+from tpudist.process_group.keys import DTYPE_NAMES, ProgramKey
 from tpudist.process_group.lowerings import (  # noqa: F401 - the ReduceOp names are used via programs.*
     AVG, AXIS, BAND, BOR, BXOR, LOWERINGS, MAX, MIN, PREMUL_SUM, PRODUCT, REDUCES, SUM, Lowering)
 from tpudist.process_group.runtime import GLOO_LOOP
 from tpudist.process_group.switch import Switch
 
-_DTYPE_NAMES = ("bfloat16", "bool", "complex128", "complex64", "float16", "float32", "float64",
-                "int16", "int32", "int64", "int8", "uint8")
 _WIDE = frozenset({"int64", "uint64", "float64", "complex128"})
-
-
-@dataclass(frozen=True, slots=True)
-class ProgramKey:
-    """Everything that decides the compiled program: same key, same program on every rank."""
-
-    op: str
-    shape: tuple[int, ...]  # one rank's input block
-    dtype: str  # numpy dtype name of the block
-    group: tuple[int, ...]  # global ranks in group order: the mesh
-    reduce: str | None = None
-    static: tuple = ()  # op-specific: root, premul factor, permutation
-    root: int | None = None  # reduce and gather: the program is the all_ form's, the result stays here
 
 
 @dataclass(slots=True)
@@ -353,7 +339,7 @@ def program(key: ProgramKey) -> Compiled:
 def fingerprint(key: ProgramKey) -> np.ndarray:
     """What a rank is about to run, as 4 int32: op and root, reduce and dtype, element count, and a
     hash of the rest. Ranks compare it inside the program before any data moves (see :func:`_build`)."""
-    ops, dtypes = sorted(LOWERINGS), sorted(_DTYPE_NAMES)
+    ops, dtypes = sorted(LOWERINGS), sorted(DTYPE_NAMES)
     reduce_code = REDUCES.index(key.reduce) + 1 if key.reduce else 0
     root_code = 0 if key.root is None else key.root + 1
     numel = int(np.prod(key.shape, dtype=np.int64))
@@ -364,7 +350,7 @@ def fingerprint(key: ProgramKey) -> np.ndarray:
 
 def describe_fingerprint(fp: np.ndarray, group_names: dict[int, str] | None = None) -> str:
     """E.g. "all_reduce sum of 4 x float32 (#3 on group 0)", "reduce sum to rank 1 of 4 x ..."."""
-    ops, dtypes = sorted(LOWERINGS), sorted(_DTYPE_NAMES)
+    ops, dtypes = sorted(LOWERINGS), sorted(DTYPE_NAMES)
     root_code, op_code = divmod(int(fp[0]), 256)
     reduce_code, dtype_code = divmod(int(fp[1]), 256)
     op = ops[op_code]
