@@ -313,7 +313,7 @@ def program(call: DeviceCall, verify: bool | None = None) -> Compiled:
     from tpudist.process_group import runtime
 
     if verify is None:
-        verify = programs._VERIFY.on  # noqa: SLF001 - the switch every rank flips together
+        verify = programs.VERIFY.on  # the switch every rank flips together
     entry = (call.plan, verify)
     compiled = _cache.get(entry)
     if compiled is not None:
@@ -376,7 +376,7 @@ def _build(plan: Plan, verify: bool) -> Compiled:
         if not verify:
             return tuple(lowering.body(*pieces)), jnp.broadcast_to(fp, (n, envelope.FP_WORDS))
         rows = jnp.zeros((n, envelope.WORDS), jnp.int32).at[:, :envelope.FP_WORDS].set(fp)
-        fps = envelope.fingerprints(programs._exchange(rows))  # noqa: SLF001 - the CPU path's exchange
+        fps = envelope.fingerprints(programs.exchange(rows))  # the CPU path's exchange
         agree = jnp.all(fps == fps[0:1])
         shapes = jax.eval_shape(lowering.body, *pieces)
         outs = jax.lax.cond(agree, lambda ps: tuple(lowering.body(*ps)),
