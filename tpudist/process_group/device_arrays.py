@@ -142,7 +142,7 @@ def write_back(call: DeviceCall, new_values: list) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Compiled:
-    """A built device call: the interface :meth:`ProcessGroupTPU._run_program` uses for both paths.
+    """A built device call: the interface :meth:`~tpudist.process_group.channel.Channel.run_program` uses for both paths.
 
     Three programs: ``read`` (this rank's views -> the lowering's input pieces), ``collective``
     (the fingerprint exchange and the lowering's body over the group's mesh) and ``write`` (the

@@ -151,7 +151,7 @@ class PointToPoint:
         pending list: the others stay for the next flush, though serving this pair may run them
         already (their works finish when flushed). Not with a recv from any source pending (its
         place in the order is kept by the flush) nor on a group whose timeout is shorter than XLA's
-        (its waiter must be able to give up: see ProcessGroupTPU._enqueue)."""
+        (its waiter must be able to give up: see Channel.enqueue)."""
         mine = [p for p in self._pending if p.work is work]
         if (len(mine) != 1 or not mine[0].group.inline
                 or any(p.order[0] is None for p in self._pending)):
@@ -648,7 +648,7 @@ def _device_transfer(op: Pending, pair: tuple[int, int], src: int, dst: int, seq
     """The transfer of a tpu tensor: its storage's array in, the receiver's new storage value out,
     as one program with no fingerprint exchange (PairOrder compared the two sides already).
     ``seq``: the pair's transfer number (negative: apart from the group's collective numbers),
-    under which the ranks report a failure (``ProcessGroupTPU._failure``)."""
+    under which the ranks report a failure (``Channel.failure``)."""
     key = _device_key(op.kind, op.tensor, pair, src, dst)
     me = src if op.kind == "send" else dst
     call = da.DeviceCall(dataclasses.replace(op.call.plan, key=key, me=pair.index(me)), op.call.arrays,
