@@ -241,7 +241,7 @@ def rank_python_overhead(iters: int = 2000, rounds: int = 5) -> dict:
     t = torch.ones(1)
     dist.all_reduce(t)
     block = tz.as_numeric(t)
-    compiled = programs.program(pg._key("all_reduce", block, programs.SUM))  # noqa: SLF001
+    compiled = programs.program(pg.channel.key("all_reduce", block, programs.SUM))
     calls = {"dist.all_reduce": lambda: dist.all_reduce(t),
              "xla program": lambda: compiled.envelope_fn(compiled.x_rows)}
     best = {k: float("inf") for k in calls}

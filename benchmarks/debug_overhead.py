@@ -28,7 +28,7 @@ def rank_main(sizes: list[int], rounds: int, iters: int) -> dict[int, tuple[floa
     """Runs on every rank: {bytes: (median seconds per call in default mode, in DETAIL)}."""
     from tpudist.process_group import debug
 
-    if dist.group.WORLD._detail is None:
+    if dist.group.WORLD.channel.detail is None:
         raise RuntimeError("start the ranks with TPUDIST_DEBUG=DETAIL")
     results = {}
     for nbytes in sizes:

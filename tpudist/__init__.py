@@ -8,7 +8,7 @@ Layers (imports flow downwards only): ``tpudist.mesh`` (the ICI torus as data: n
 """
 
 from tpudist._version import __version__
-from tpudist.kernels._helion_hook import route_helion_with_the_device
+from tpudist.kernels.helion_route import route_helion_with_the_device
 
 # `import tpudist.device` (the opt-in) then routes plain @helion.kernel calls on tpu tensors through tpudist
 # once Helion is imported (no host round trip). Wired here, the top layer, above the device and the kernels

@@ -99,7 +99,7 @@ def tp_compiled_block(steps: int = 3):
     from torch.distributed.device_mesh import init_device_mesh
 
     from tpudist.compile.program import STATS
-    from tpudist.process_group.group import ProcessGroupTPU
+    from tpudist.process_group.channel import Channel
     from tpudist.training.model import ModelArgs, Transformer
     from tpudist.training.parallelize import apply_tp
 
@@ -113,7 +113,7 @@ def tp_compiled_block(steps: int = 3):
     compiled = torch.compile(block, backend="tpu", fullgraph=True, dynamic=False)
     cos, sin = model.rope_cos[:16], model.rope_sin[:16]
     calls = [0]
-    original = ProcessGroupTPU._enqueue  # noqa: SLF001 - every eager collective passes here
+    original = Channel.enqueue  # every eager collective passes here
 
     def counting(self, *args, **kwargs):
         calls[0] += 1
@@ -124,12 +124,12 @@ def tp_compiled_block(steps: int = 3):
     for step in range(steps):
         x = torch.randn(2, 16, ARGS["dim"], generator=torch.Generator().manual_seed(step))
         x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
-        ProcessGroupTPU._enqueue = counting  # noqa: SLF001
+        Channel.enqueue = counting
         try:
             y = compiled(x_c, cos, sin)
             y.pow(2).sum().backward()
         finally:
-            ProcessGroupTPU._enqueue = original  # noqa: SLF001
+            Channel.enqueue = original
         y_e = eager_block(x_e, cos, sin)
         y_e.pow(2).sum().backward()
         out_err.append((y - y_e).abs().max().item())

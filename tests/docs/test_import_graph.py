@@ -1,19 +1,24 @@
 """Imports between tpudist's modules run one way, down the layers docs/design.md names ("Layers").
 
-Files are rooms and imports are arrows. Two rules, both read from the source with ``ast`` (nothing is
+Files are rooms and imports are arrows. Three rules, all read from the source with ``ast`` (nothing is
 imported, so the check takes well under a second):
 
 - **No circle**: no module imports, directly or through others, a module that imports it back.
-  Imports inside functions count: a lazy import that only hides a circle is still a circle. An import
-  under ``if TYPE_CHECKING:`` does not count (it never runs; it serves type annotations only).
+  Imports inside functions count: a lazy import that only hides a circle is still a circle. So do
+  imports under ``if TYPE_CHECKING:``: they never run, but a reader follows them as any other.
   Importing ``a.b.c`` runs the package ``a.b``'s ``__init__`` first; that implicit step is not an
   arrow (the package face re-exports its modules, so every module would be in a circle with it);
   ``from a.b import name`` of a name that is no module is an arrow to ``a.b``'s ``__init__``.
 - **Down the layers**: a module imports its own layer and the layers below it, never one above. The
   layers are the rows of docs/design.md's "Layers" table, bottom first: a new package or top-level
   module gets its row there.
+- **Private stays home**: a module or name whose own name starts with ``_`` inside a package of
+  tpudist (``tpudist.device._storage``, ``tpudist.process_group.runtime._platform``) is that
+  package's own: no module of another package imports it or reaches it as an attribute of a module
+  it imported. The lower package offers a public name instead (``tpudist.device.interop``). The
+  shared pieces at the package root (``tpudist._world``) belong to ``tpudist``, which holds every module.
 
-Run ``python tests/docs/test_import_graph.py`` to print every circle and every upward import.
+Run ``python tests/docs/test_import_graph.py`` to print every circle, upward and private import.
 """
 
 from __future__ import annotations
@@ -52,11 +57,6 @@ def _sources() -> dict[str, pathlib.Path]:
     return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imported(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> list[str]:
     """The modules of tpudist an import statement of ``module`` names (its targets' longest known prefix)."""
     sources = _sources()
@@ -79,19 +79,17 @@ def _imported(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) 
 
 
 @functools.cache
+def _tree(path: pathlib.Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
+@functools.cache
 def import_graph() -> dict[str, dict[str, int]]:
     """importer -> {imported module: line of its first import}, over every module of tpudist."""
     graph: dict[str, dict[str, int]] = {}
     for module, path in _sources().items():
         arrows = graph.setdefault(module, {})
-        pending: list[ast.AST] = [ast.parse(path.read_text(), str(path))]
-        while pending:
-            node = pending.pop()
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.If) and _is_type_checking(child.test):
-                    pending.extend(child.orelse)
-                else:
-                    pending.append(child)
+        for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 for target in _imported(module, path.name == "__init__.py", node):
                     if target and target != module:
@@ -155,6 +153,57 @@ def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
             if layer_of(target) > layer_of(module)]
 
 
+def package_of(module: str) -> str:
+    """The package of tpudist a module belongs to: ``tpudist.<name>`` for a module inside a subpackage,
+    else ``tpudist`` (the face and the shared pieces at the root)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and f"{parts[0]}.{parts[1]}" in _packages() else parts[0]
+
+
+@functools.cache
+def _packages() -> frozenset[str]:
+    return frozenset(_module_name(path.parent) for path in PACKAGE.glob("*/__init__.py"))
+
+
+def _private_to_another(importer: str, target: str) -> bool:
+    """Whether dotted ``target`` names a private module or name of a package that is not ``importer``'s."""
+    private = any(part.startswith("_") and not part.startswith("__") for part in target.split(".")[2:])
+    return private and package_of(target) != package_of(importer)
+
+
+def private_imports() -> list[str]:
+    """Every import of another package's private module or name, and every attribute reach
+    ``module._name`` into one through an imported module (as ``importer:line imports target``)."""
+    sources = _sources()
+    found = []
+    for module, path in sources.items():
+        is_package = path.name == "__init__.py"
+        bound: dict[str, str] = {}  # local name -> the dotted tpudist name it is bound to
+        reaches: list[tuple[int, str]] = []
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "tpudist":
+                        reaches.append((node.lineno, alias.name))
+                        bound[alias.asname or alias.name.split(".")[0]] = alias.asname and alias.name or "tpudist"
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    package = module.split(".") if is_package else module.split(".")[:-1]
+                    base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                if base.split(".")[0] == "tpudist":
+                    for alias in node.names:
+                        reaches.append((node.lineno, f"{base}.{alias.name}"))
+                        bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+                reaches.append((node.lineno, f"{bound[node.value.id]}.{node.attr}"))
+        found.extend(f"  {module}:{line} imports {target}" for line, target in sorted(set(reaches))
+                     if _private_to_another(module, target))
+    return found
+
+
 def _describe(component: list[str], graph: dict[str, dict[str, int]]) -> str:
     members = set(component)
     return "\n".join(f"  {module}:{line} -> {target}" for module in component
@@ -178,9 +227,25 @@ def test_imports_run_down_the_layers():
     assert not upward, "a layer imports one above it (docs/design.md, \"Layers\"):\n" + "\n".join(upward)
 
 
-def test_the_check_sees_lazy_and_relative_imports_and_skips_type_checking(tmp_path, monkeypatch):
+def test_no_package_imports_another_packages_private_parts():
+    found = private_imports()
+    assert not found, (
+        "a package imports another's private module or name (a leading underscore: that package's own); "
+        "give the lower package a public name for it and import that:\n" + "\n".join(found))
+
+
+def test_the_private_rule_on_examples():
+    assert _private_to_another("tpudist.process_group.device_arrays", "tpudist.device._storage._retype")
+    assert _private_to_another("tpudist.training.trainer", "tpudist.process_group.runtime._platform")
+    assert _private_to_another("tpudist", "tpudist.kernels._helion_hook.route")
+    assert not _private_to_another("tpudist.device._core", "tpudist.device._storage._ATTR")  # its own package
+    assert not _private_to_another("tpudist.device._core", "tpudist._world")  # a shared piece at the root
+    assert not _private_to_another("tpudist.compile.device_io", "tpudist.device.interop.buffer_of")
+
+
+def test_the_check_sees_lazy_relative_and_type_checking_imports(tmp_path, monkeypatch):
     """The rules on a small package: a function-level import closes a circle, a relative import is
-    resolved, an import under ``if TYPE_CHECKING:`` is no arrow."""
+    resolved, an import under ``if TYPE_CHECKING:`` is an arrow too."""
     package = tmp_path / "tpudist"
     (package / "mesh").mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -191,22 +256,30 @@ def test_the_check_sees_lazy_and_relative_imports_and_skips_type_checking(tmp_pa
     (package / "mesh" / "c.py").write_text("def f():\n    import tpudist.mesh.b.x\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
-    _sources.cache_clear()
-    import_graph.cache_clear()
+    caches = (_sources, _tree, import_graph)
+    for cache in caches:
+        cache.cache_clear()
     try:
         graph = import_graph()
-        assert graph == {"tpudist": {}, "tpudist.mesh": {"tpudist.mesh.a": 1}, "tpudist.mesh.a": {},
-                         "tpudist.mesh.b": {"tpudist.mesh.a": 1}, "tpudist.mesh.c": {"tpudist.mesh.b": 2}}
-        assert circles(graph) == []
+        assert graph == {"tpudist": {}, "tpudist.mesh": {"tpudist.mesh.a": 1},
+                         "tpudist.mesh.a": {"tpudist.mesh.c": 3}, "tpudist.mesh.b": {"tpudist.mesh.a": 1},
+                         "tpudist.mesh.c": {"tpudist.mesh.b": 2}}
+        assert circles(graph) == [["tpudist.mesh.a", "tpudist.mesh.b", "tpudist.mesh.c"]]
+        (package / "mesh" / "a.py").write_text("A = 1\n")
+        for cache in caches:
+            cache.cache_clear()
+        assert circles(import_graph()) == []
         (package / "mesh" / "a.py").write_text("def f():\n    from tpudist.mesh import c\n")
-        import_graph.cache_clear()
+        for cache in caches:
+            cache.cache_clear()
         assert circles(import_graph()) == [["tpudist.mesh.a", "tpudist.mesh.b", "tpudist.mesh.c"]]
     finally:
-        _sources.cache_clear()
-        import_graph.cache_clear()
+        for cache in caches:
+            cache.cache_clear()
 
 
 if __name__ == "__main__":
     for component in circles(import_graph()):
         print(f"circle of {len(component)} modules:\n{_describe(component, import_graph())}")
     print("\n".join(upward_imports(import_graph())))
+    print("\n".join(private_imports()))

@@ -115,14 +115,14 @@ def store_traffic(num_calls: int):
     for g in (world, group):  # compile first
         if g != dist.GroupMember.NON_GROUP_MEMBER:
             dist.all_reduce(torch.ones(2), group=g)
-    world._store = recorder = Recorder(world._store)  # where every tpudist store access goes
+    world.channel.store = recorder = Recorder(world.channel.store)  # where every tpudist store access goes
     try:
         for _ in range(num_calls):
             dist.all_reduce(torch.ones(2))
             if group != dist.GroupMember.NON_GROUP_MEMBER:
                 dist.all_reduce(torch.ones(2), group=group)
     finally:
-        world._store = recorder.inner
+        world.channel.store = recorder.inner
     return dict(recorder.calls)
 
 
@@ -135,7 +135,7 @@ def keys_left(num_calls: int):
     for _ in range(num_calls):
         dist.all_reduce(torch.ones(2))
     last = ledger.slots[world]
-    store = dist.group.WORLD._store
+    store = dist.group.WORLD.channel.store
     return last, [s for s in range(1, last + 1) if store.check([ledger.key(world, s, dist.get_rank())])]
 
 

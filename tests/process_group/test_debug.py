@@ -8,7 +8,7 @@ import pytest
 import rank_fns_debug as fns
 
 from tpudist.process_group.debug import Call, debug_level
-from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.keys import ProgramKey
 from tpudist.testing import RankPool
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tpudist.process_group import envelope
-from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.keys import ProgramKey
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8",
           "complex64", "complex128"]

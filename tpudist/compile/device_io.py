@@ -23,25 +23,25 @@ def is_device_tensor(x) -> bool:
 
 
 def jax_device():
-    from tpudist.device import _runtime
+    from tpudist.device import interop
 
-    return _runtime.device()
+    return interop.device()
 
 
 def device_value(t: torch.Tensor, shaped: bool):
     """The tensor's values as a jax.Array, of its own shape (``shaped``) or flat: its storage's own
     array where the tensor covers it all and the array has that form already."""
-    from tpudist.device import _core
+    from tpudist.device import interop
 
-    buf = _core.buffer_of(t)
-    if buf.value.__class__ is _core.Lazy:
-        _core.flush()
+    buf = interop.buffer_of(t)
+    if buf.value.__class__ is interop.Lazy:
+        interop.flush()
     value, shape = buf.value, tuple(t.shape)
-    if value is not None and _core.is_whole(t, buf):
-        array = value.array if value.__class__ is _core.Shaped else value
+    if value is not None and interop.is_whole(t, buf):
+        array = value.array if value.__class__ is interop.Shaped else value
         if array.shape == (shape if shaped else (math.prod(shape),)):
             return array
-    value = _core.value_of(t)
+    value = interop.value_of(t)
     return value if shaped else value.reshape(-1)
 
 
@@ -64,28 +64,28 @@ def program_input(t: torch.Tensor, device, shaped: bool = False):
 
 def raise_if_oom(e: BaseException, what: str, requested: int) -> None:
     """XLA's out-of-memory error of a device program as ``torch.OutOfMemoryError`` (as eager ops raise it)."""
-    from tpudist.device import _oom
+    from tpudist.device import interop
 
-    _oom.raise_if_oom(e, what, requested)
+    interop.raise_if_oom(e, what, requested)
 
 
 def new_tensors(specs: tuple, arrays: list) -> list[torch.Tensor]:
     """``new_tensor`` of each of ``arrays`` on the device, in one call (C++ where it built): ``specs`` holds
     each one's (shape, dtype, numel[, dense strides]). Per result this costs a few microseconds less than
     ``new_tensor``: a forward returns a hundred saved activations or more."""
-    from tpudist.device import _storage
+    from tpudist.device import interop
 
-    shaped = _storage.Shaped
-    return _storage.outputs(specs, [a if a.ndim == 1 else shaped(a) for a in arrays], None, 0, None)
+    shaped = interop.Shaped
+    return interop.outputs(specs, [a if a.ndim == 1 else shaped(a) for a in arrays], None, 0, None)
 
 
 def new_tensor(array, shape, dtype: torch.dtype, host: bool = False, strides=None) -> torch.Tensor:
     """A device tensor over ``array`` (no copy), flat or of ``shape`` (then a ``Shaped`` storage value);
     of the dense ``strides`` where given (then ``array`` is flat, in their physical order); ``host``: a CPU
     tensor (an output on the CPU: a step count's new value)."""
-    from tpudist.device import _core
+    from tpudist.device import interop
 
     shape = tuple(shape)
-    value = array if array.ndim == 1 else _core.Shaped(array)  # 1-d: flat and shaped are the same
-    out = _core.new_tensor(shape, dtype, value=value, strides=strides)
-    return _core.to_cpu(out, strides) if host else out
+    value = array if array.ndim == 1 else interop.Shaped(array)  # 1-d: flat and shaped are the same
+    out = interop.new_tensor(shape, dtype, value=value, strides=strides)
+    return interop.to_cpu(out, strides) if host else out

@@ -20,6 +20,9 @@ Modes (``torch.tpu.set_eager_mode``; default "strict"):
 Ints that change at the same place of an op (a decode position, a view's storage offset) become
 runtime inputs after their second value, so decoding compiles once (``set_dynamic_scalars``; env
 ``TPUDIST_DYNAMIC_SCALARS=0`` turns it off; docs/decoding.md).
+
+The packages above (the process group, the compile backend) use the device through
+``tpudist.device.interop`` only; the underscored modules are the device's own.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Importing this module also routes plain ``@helion.kernel`` calls (``route_helion
 with a "tpu" tensor or a DTensor, and every call of a Pallas kernel under ``torch.compile``, goes
 through the kernel's op instead of Helion's launcher. CPU tensors outside compiled code keep
 Helion's own path. Installing ``tpudist.device`` imports this module as soon as Helion is imported
-(``_helion_hook``), so ``import tpudist.device; import helion`` is all a user writes.
+(``helion_route``), so ``import tpudist.device; import helion`` is all a user writes.
 
 Known limit (Helion 1.5.1): its JAX export fails under ``jax.jit`` for some shapes its own launcher
 runs (a row kernel over 13 rows with ``block_sizes=[1]``: "Shapes must be 1D sequences of concrete

@@ -15,15 +15,13 @@ import math
 import operator
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from tpudist.mesh._errors import TopologyError
 from tpudist.mesh.cost import PHYSICAL_AXIS_NAMES, CollectiveCost, RingAxis, estimate_collective, format_seconds
-
-if TYPE_CHECKING:  # the layout reads a topology it is handed; topology.py offers it as Topology.mesh_layout
-    from tpudist.mesh.topology import Topology
+from tpudist.mesh.generations import Generation
 
 # JAX's "TPU7x" handler (mesh_utils._7x_create_device_mesh) orders the two TensorCores of each chip
 # of a 2x2 tray; fed one device per chip it would make diagonal chips neighbours. tpudist lays out
@@ -50,6 +48,28 @@ class _MockTpuDevice:
     slice_index: int = 0
 
 
+class Slice(Protocol):
+    """What laying a mesh reads from the slice it is handed: `tpudist.mesh.Topology` is one (topology.py
+    sits above this module and offers the layout as `Topology.mesh_layout`)."""
+
+    @property
+    def generation(self) -> str: ...
+    @property
+    def generation_info(self) -> Generation: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def num_dims(self) -> int: ...
+    @property
+    def num_chips(self) -> int: ...
+    @property
+    def wraparound(self) -> tuple[bool, ...]: ...
+    def coords(self, rank: int) -> tuple[int, ...]: ...
+    def host_of(self, rank: int) -> int: ...
+    def hops(self, rank_a: int, rank_b: int) -> int: ...
+    def describe(self) -> str: ...
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class MeshLayout:
     """A logical mesh laid onto a slice: the rank at each mesh position and the physical axes used.
@@ -72,7 +92,7 @@ class MeshLayout:
         'v4:4x4x4 as (dp=4, tp=16)'
     """
 
-    topology: Topology
+    topology: Slice
     mesh_shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     ranks: tuple[int, ...]
@@ -202,7 +222,7 @@ class MeshLayout:
         return "\n".join([topology.describe(), *lines])
 
 
-def mesh_layout(topology: Topology, mesh_shape: Sequence[int] | str, *,
+def mesh_layout(topology: Slice, mesh_shape: Sequence[int] | str, *,
                 axis_names: Sequence[str] | str | None = None,
                 allow_split_physical_axes: bool = False,
                 contiguous_submeshes: bool = False) -> MeshLayout:
@@ -262,7 +282,7 @@ def mesh_layout(topology: Topology, mesh_shape: Sequence[int] | str, *,
                       tuple(sizes for _, sizes in placements))
 
 
-def _mock_devices(topology: Topology) -> list[_MockTpuDevice]:
+def _mock_devices(topology: Slice) -> list[_MockTpuDevice]:
     kind = topology.generation_info.device_kind
     if topology.generation == "7x":
         kind = CHIP_LEVEL_7X_DEVICE_KIND
@@ -273,7 +293,7 @@ def _mock_devices(topology: Topology) -> list[_MockTpuDevice]:
     return devices
 
 
-def _physical_placement(topology: Topology, rank_array: np.ndarray,
+def _physical_placement(topology: Slice, rank_array: np.ndarray,
                         axis: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     # The chips along `axis` with every other mesh index at 0.
     line = np.moveaxis(rank_array, axis, 0).reshape(rank_array.shape[axis], -1)[:, 0]
@@ -283,7 +303,7 @@ def _physical_placement(topology: Topology, rank_array: np.ndarray,
     return physical, tuple(spans[p] for p in physical)
 
 
-def _check_contiguous_hosts(topology: Topology, mesh_shape: tuple[int, ...],
+def _check_contiguous_hosts(topology: Slice, mesh_shape: tuple[int, ...],
                             rank_array: np.ndarray) -> None:
     # JAX's device-kind handlers ignore contiguous_submeshes: check the promise, do not trust it.
     positions: dict[int, list[tuple[int, ...]]] = {}

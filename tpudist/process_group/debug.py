@@ -130,7 +130,7 @@ class _Ledger:
     @property
     def store(self) -> Any:
         world = self._world()
-        store = None if world is None else world._store
+        store = None if world is None else world.store
         if store is None:
             raise CollectiveError("TPUDIST_DEBUG=DETAIL: the world group was destroyed, so its store "
                                   "is gone; create groups again after init_process_group")
@@ -152,8 +152,8 @@ def for_group(group: Any) -> Detail | None:
     a world is checked alike however the environment changes later.
     """
     global _ledger
-    if group._is_world:
-        _ledger = _Ledger(group, group.global_ranks[group.rank()]) if debug_level() == DETAIL else None
+    if group.is_world:
+        _ledger = _Ledger(group, group.global_ranks[group.rank]) if debug_level() == DETAIL else None
     return None if _ledger is None else Detail(_ledger)
 
 
@@ -174,11 +174,11 @@ class Detail:
         ledger, device_set = self._ledger, tuple(key.group)
         slot = ledger.slots[device_set] = ledger.slots.get(device_set, 0) + 1
         seq = self._seqs[device_set] = self._seqs.get(device_set, 0) + 1
-        call = Call.of(op, key, group._name, seq)
+        call = Call.of(op, key, group.name, seq)
         peers = [r for r in device_set if r != ledger.rank]
         if not peers:
             return
-        store, timeout = ledger.store, group._timeout
+        store, timeout = ledger.store, group.timeout
         try:
             store.set(ledger.key(device_set, slot, ledger.rank), call.encode())
             keys = [ledger.key(device_set, slot, r) for r in peers]
@@ -187,7 +187,7 @@ class Detail:
             if slot > 1:  # every peer published this slot, so every peer has read my previous one
                 store.delete_key(ledger.key(device_set, slot - 1, ledger.rank))
         except dist.DistError as e:
-            raise CollectiveError(f"{group._describe(op)}: the TPUDIST_DEBUG=DETAIL check of {call} "
+            raise CollectiveError(f"{group.describe(op)}: the TPUDIST_DEBUG=DETAIL check of {call} "
                                   f"could not use the c10d store (its host, rank 0, may be gone): {e}") from e
         if not all(c.agrees_with(call) for c in calls.values()):
             self._seqs[device_set] -= 1  # the call did not happen; the slot is spent on every rank
@@ -197,7 +197,7 @@ class Detail:
         """At group shutdown: the world deletes this rank's last keys (after the runtime's shutdown
         barrier, so every peer has read them) and ends the ledger."""
         global _ledger
-        if not group._is_world or self._ledger is not _ledger:
+        if not group.is_world or self._ledger is not _ledger:
             return
         ledger, _ledger = self._ledger, None
         try:
@@ -225,7 +225,7 @@ def _wait(store: Any, keys: list[str], peers: list[int], timeout: timedelta, cal
         seen = Call.decode(store.get(previous)) if slot > 1 and store.check([previous]) else None
         last.append(f"rank {r}: {seen if seen else 'no collective over these devices yet'}")
     raise CollectiveTimeout(
-        f"{group._describe(call.op)}: TPUDIST_DEBUG=DETAIL: global ranks {missing} did not reach "
+        f"{group.describe(call.op)}: TPUDIST_DEBUG=DETAIL: global ranks {missing} did not reach "
         f"{call} within {time.monotonic() - t0:.1f}s (group timeout {timeout.total_seconds():.1f}s); "
         f"their last call over global ranks {list(device_set)} was: {'; '.join(last)}. A rank that is "
         "hung elsewhere, skipped this collective under a rank-dependent branch, or died; no data was "
@@ -239,7 +239,7 @@ def _mismatch_message(group: Any, op: str, device_set: tuple[int, ...], slot: in
     hint = ("a rank skipped or added a collective, or issued two groups' collectives in another order "
             "(groups with the same members share one XLA communicator)" if diverged else
             "look for a rank-dependent branch, shape or dtype before this call")
-    return (f"{group._describe(op)}: TPUDIST_DEBUG=DETAIL: global ranks {list(device_set)} are about to "
+    return (f"{group.describe(op)}: TPUDIST_DEBUG=DETAIL: global ranks {list(device_set)} are about to "
             f"run different collectives (program #{slot} over these devices): {listed}. Every rank of "
             "a group must issue the same collectives, with the same shapes, dtypes, reduce ops and "
             f"roots, in the same order; {hint}. No data was exchanged; the group remains usable.")

@@ -33,7 +33,7 @@ import numpy as np
 
 from tpudist.process_group import envelope, programs
 from tpudist.process_group.lowerings import LOWERINGS
-from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.keys import ProgramKey
 
 DEVICE_FLAG = 1 << 30  # in fingerprint word 0 (root_code * 256 + op index: far below 2**30)
 
@@ -106,15 +106,14 @@ def prepare(key: ProgramKey, me: int, inputs: list, widths: list[int], layout: s
 
     Called on the caller's thread when the collective is issued: the values are immutable
     ``jax.Array`` s, so what the collective sends is what the tensors held at the call."""
-    from tpudist.device import _runtime as device_rt
-    from tpudist.device import _storage
+    from tpudist.device import interop
 
-    with device_rt.LOCK:
+    with interop.LOCK:
         buffers: list = []
         slot_of: dict[int, int] = {}
 
         def view_of(t) -> View:
-            buf = _storage.buffer_of(t)
+            buf = interop.buffer_of(t)
             slot = slot_of.get(id(buf))
             if slot is None:
                 slot = slot_of[id(buf)] = len(buffers)
@@ -123,7 +122,7 @@ def prepare(key: ProgramKey, me: int, inputs: list, widths: list[int], layout: s
 
         in_views = tuple(view_of(t) for t in inputs)
         out_specs = tuple((view_of(t), index) for t, index in outputs)
-        arrays = tuple(_storage.concrete(b) for b in buffers)
+        arrays = tuple(interop.concrete(b) for b in buffers)
     slots = tuple((b.numel, b.dtype, a is None) for b, a in zip(buffers, arrays))
     plan = Plan(key, me, slots, in_views, tuple(widths), layout, out_specs)
     return DeviceCall(plan, tuple(a for a in arrays if a is not None), tuple(buffers))
@@ -131,9 +130,9 @@ def prepare(key: ProgramKey, me: int, inputs: list, widths: list[int], layout: s
 
 def write_back(call: DeviceCall, new_values: list) -> None:
     """The program's new storage values become the storages' values (no copy: the same arrays)."""
-    from tpudist.device import _runtime as device_rt
+    from tpudist.device import interop
 
-    with device_rt.LOCK:
+    with interop.LOCK:
         for slot, value in zip(call.written_slots, new_values):
             call.buffers[slot].value = value
 
@@ -143,7 +142,7 @@ def write_back(call: DeviceCall, new_values: list) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Compiled:
-    """A built device call: the interface :meth:`ProcessGroupTPU._run_program` uses for both paths.
+    """A built device call: the interface :meth:`~tpudist.process_group.channel.Channel.run_program` uses for both paths.
 
     Three programs: ``read`` (this rank's views -> the lowering's input pieces), ``collective``
     (the fingerprint exchange and the lowering's body over the group's mesh) and ``write`` (the
@@ -314,7 +313,7 @@ def program(call: DeviceCall, verify: bool | None = None) -> Compiled:
     from tpudist.process_group import runtime
 
     if verify is None:
-        verify = programs._VERIFY.on  # noqa: SLF001 - the switch every rank flips together
+        verify = programs.VERIFY.on  # the switch every rank flips together
     entry = (call.plan, verify)
     compiled = _cache.get(entry)
     if compiled is not None:
@@ -377,7 +376,7 @@ def _build(plan: Plan, verify: bool) -> Compiled:
         if not verify:
             return tuple(lowering.body(*pieces)), jnp.broadcast_to(fp, (n, envelope.FP_WORDS))
         rows = jnp.zeros((n, envelope.WORDS), jnp.int32).at[:, :envelope.FP_WORDS].set(fp)
-        fps = envelope.fingerprints(programs._exchange(rows))  # noqa: SLF001 - the CPU path's exchange
+        fps = envelope.fingerprints(programs.exchange(rows))  # the CPU path's exchange
         agree = jnp.all(fps == fps[0:1])
         shapes = jax.eval_shape(lowering.body, *pieces)
         outs = jax.lax.cond(agree, lambda ps: tuple(lowering.body(*ps)),
@@ -412,9 +411,9 @@ def _build(plan: Plan, verify: bool) -> Compiled:
 
 
 def _device_digest() -> str:
-    from tpudist.device._storage import _source_fingerprint
+    from tpudist.device import interop
 
-    return _source_fingerprint()
+    return interop.source_digest()
 
 
 def _jax_dtype(dtype: Any) -> Any:
@@ -440,10 +439,9 @@ def _read(flat: Any, view: View, numeric: str) -> Any:
     import jax.numpy as jnp
 
     import tpudist.ops as tops
-    from tpudist.device import views
-    from tpudist.device._storage import _retype
+    from tpudist.device import interop, views
 
-    value = _retype(views.read(flat, view.sizes, view.strides, view.offset), tops.to_jax_dtype(view.dtype))
+    value = interop.retype(views.read(flat, view.sizes, view.strides, view.offset), tops.to_jax_dtype(view.dtype))
     if view.pairs:
         value = jnp.stack([value.real, value.imag], axis=-1)
     return value.reshape(-1).astype(np.dtype(numeric))
@@ -476,15 +474,14 @@ def _write(flat: Any, view: View, value: Any) -> Any:
     import jax.numpy as jnp
 
     import tpudist.ops as tops
-    from tpudist.device import views
-    from tpudist.device._storage import _retype
+    from tpudist.device import interop, views
 
     want = tops.to_jax_dtype(view.dtype)
     if view.pairs:
         value = value.reshape(*view.sizes, 2)
         value = jax.lax.complex(value[..., 0], value[..., 1])
     value = (value != 0) if want == jnp.bool_ else value.astype(want)
-    value = _retype(value.reshape(view.sizes), flat.dtype)
+    value = interop.retype(value.reshape(view.sizes), flat.dtype)
     return views.write(flat, value, view.sizes, view.strides, view.offset)
 
 

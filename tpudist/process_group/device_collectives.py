@@ -3,7 +3,7 @@
 Each method of the group hands its call here when a tensor argument lives on the tpu device
 (:func:`on_device`). A function checks the call as the CPU path does, describes it as a
 :class:`~tpudist.process_group.device_arrays.Plan` (which views are read, how they make the block,
-where the result goes) and submits it through the group's own ``_submit``/``_run_program``, so
+where the result goes) and submits it through the group's channel (``submit``/``run_program``), so
 ordering, fingerprints, timeouts and errors are the CPU path's. Blocks hold elements of the
 tensors' dtype (the CPU path moves raw bytes for data-moving ops; XLA's data movement keeps every
 bit either way).
@@ -19,7 +19,7 @@ import torch
 from tpudist.process_group import device_arrays as da
 from tpudist.process_group.checks import (check_all_to_all_lists, check_even_all_to_all, check_numel, check_output,
                                           check_same_dtype, split_all_to_all)
-from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.keys import DTYPE_NAMES, ProgramKey
 from tpudist.process_group.work import Work
 
 _NUMERIC = {torch.bool: "uint8", torch.bfloat16: "bfloat16"}  # else: the numpy name of the dtype
@@ -55,23 +55,18 @@ def check_all_on_device(op: str, **named: Any) -> None:
                          "live on one device: move them with .to('tpu') or .cpu()")
 
 
-def _numeric(op: str, dtype: torch.dtype) -> str:
+def numeric_dtype(op: str, dtype: torch.dtype) -> str:
+    """The numpy name of the dtype a block of ``dtype`` elements has (bool as uint8); TypeError where none."""
     name = _NUMERIC.get(dtype)
     if name is None:
         try:
             name = np.dtype(str(dtype).removeprefix("torch.")).name
         except TypeError:
             name = ""
-        if name not in programs_dtypes():
+        if name not in DTYPE_NAMES:
             raise TypeError(f"{op}: dtype={dtype} is not supported for tpu tensors in collectives; use "
                             "float16/bfloat16/float32/float64, int8-int64, uint8, bool or complex")
     return name
-
-
-def programs_dtypes() -> tuple[str, ...]:
-    from tpudist.process_group import programs
-
-    return programs._DTYPE_NAMES  # noqa: SLF001 - the dtypes a fingerprint can name
 
 
 def _key(pg: Any, op: str, shape: tuple, dtype: str, reduce: str | None = None, static: tuple = (),
@@ -83,13 +78,13 @@ def _submit(pg: Any, op: str, key: ProgramKey, inputs: list, widths: list, layou
             outputs: list, result: list, async_op: bool) -> Work:
     for i, (t, _) in enumerate(outputs):
         check_output(op, f"output {i}", t)  # an expanded view: one element, several results
-    call = da.prepare(key, pg.rank(), inputs, widths, layout, outputs)
+    call = da.prepare(key, pg.rank, inputs, widths, layout, outputs)
 
     def finish(new_values):
         da.write_back(call, new_values)
         return result
 
-    return pg._submit(op, key, call, finish, async_op)  # noqa: SLF001
+    return pg.submit(op, key, call, finish, async_op)
 
 
 def _one(op: str, tensors: list) -> torch.Tensor:
@@ -101,8 +96,8 @@ def _one(op: str, tensors: list) -> torch.Tensor:
 
 
 def _per_rank(pg: Any, op: str, lists: list, what: str, who: str = "") -> list:
-    if len(lists) != 1 or len(lists[0]) != pg.size():
-        raise ValueError(f"{op}: {who}needs a list of size={pg.size()} {what} tensors, got "
+    if len(lists) != 1 or len(lists[0]) != pg.size:
+        raise ValueError(f"{op}: {who}needs a list of size={pg.size} {what} tensors, got "
                          f"{[len(x) for x in lists]}")
     return list(lists[0])
 
@@ -120,14 +115,14 @@ def all_reduce(pg: Any, tensors: list, opts: Any) -> Work:
 
 
 def reduce(pg: Any, tensors: list, opts: Any) -> Work:
-    root = pg._check_rank("reduce", "dst", opts.rootRank)  # noqa: SLF001
+    root = pg.check_rank("reduce", "dst", opts.rootRank)
     return _reduce_into(pg, "reduce", _one("reduce", tensors), opts.reduceOp, root, opts.asyncOp)
 
 
 def _reduce_into(pg: Any, op: str, t: torch.Tensor, reduce_op: Any, root: int | None, async_op: bool):
-    reduce, static = pg._reduce_name(op, reduce_op, t.dtype)  # noqa: SLF001
-    key = _key(pg, "all_reduce", t.shape or (1,), _numeric(op, t.dtype), reduce, static, root)
-    outputs = [(t, _flat(0, t.numel()))] if root is None or root == pg.rank() else []
+    reduce, static = pg.reduce_name(op, reduce_op, t.dtype)
+    key = _key(pg, "all_reduce", t.shape or (1,), numeric_dtype(op, t.dtype), reduce, static, root)
+    outputs = [(t, _flat(0, t.numel()))] if root is None or root == pg.rank else []
     return _submit(pg, op, key, [t], [t.numel()], "flat", outputs, [t], async_op)
 
 
@@ -135,10 +130,10 @@ def all_reduce_coalesced(pg: Any, tensors: list, opts: Any) -> Work:
     op = "all_reduce_coalesced"
     check_all_on_device(op, tensors=tensors)
     check_same_dtype(op, tensors)
-    reduce, static = pg._reduce_name(op, opts.reduceOp, tensors[0].dtype)  # noqa: SLF001
+    reduce, static = pg.reduce_name(op, opts.reduceOp, tensors[0].dtype)
     sizes = [t.numel() for t in tensors]
     starts = np.cumsum([0, *sizes])
-    key = _key(pg, "all_reduce", (int(starts[-1]),), _numeric(op, tensors[0].dtype), reduce, static)
+    key = _key(pg, "all_reduce", (int(starts[-1]),), numeric_dtype(op, tensors[0].dtype), reduce, static)
     outputs = [(t, _flat(int(s), t.numel())) for t, s in zip(tensors, starts)]
     return _submit(pg, op, key, tensors, sizes, "flat", outputs, tensors, opts.asyncOp)
 
@@ -149,10 +144,10 @@ def reduce_scatter(pg: Any, output_tensors: list, input_tensors: list, opts: Any
     out = _one(op, output_tensors)
     chunks = _per_rank(pg, op, input_tensors, "input")
     check_same_dtype(op, [out, *chunks])
-    check_numel(op, "input_list[rank]", chunks[pg.rank()], out.numel())
+    check_numel(op, "input_list[rank]", chunks[pg.rank], out.numel())
     width = max(t.numel() for t in chunks)
-    reduce, static = pg._reduce_name(op, opts.reduceOp, out.dtype)  # noqa: SLF001
-    key = _key(pg, "reduce_scatter", (pg.size(), width), _numeric(op, out.dtype), reduce, static)
+    reduce, static = pg.reduce_name(op, opts.reduceOp, out.dtype)
+    key = _key(pg, "reduce_scatter", (pg.size, width), numeric_dtype(op, out.dtype), reduce, static)
     return _submit(pg, op, key, chunks, [width] * len(chunks), "flat", [(out, _flat(0, out.numel()))],
                    [out], opts.asyncOp)
 
@@ -161,13 +156,13 @@ def reduce_scatter_tensors(pg: Any, outputs: list, inputs: list, opts: Any) -> W
     op = "reduce_scatter_tensor"
     check_all_on_device(op, outputs=outputs, inputs=inputs)
     check_same_dtype(op, [*outputs, *inputs])
-    n = pg.size()
+    n = pg.size
     for out, inp in zip(outputs, inputs, strict=True):
         check_numel(op, "input", inp, out.numel() * n)
-    reduce, static = pg._reduce_name(op, opts.reduceOp, outputs[0].dtype)  # noqa: SLF001
+    reduce, static = pg.reduce_name(op, opts.reduceOp, outputs[0].dtype)
     sizes = [t.numel() for t in outputs]
     starts = np.cumsum([0, *sizes])
-    key = _key(pg, "reduce_scatter", (n, int(starts[-1])), _numeric(op, outputs[0].dtype), reduce, static)
+    key = _key(pg, "reduce_scatter", (n, int(starts[-1])), numeric_dtype(op, outputs[0].dtype), reduce, static)
     outs = [(t, _flat(int(s), t.numel())) for t, s in zip(outputs, starts)]
     return _submit(pg, op, key, inputs, [t.numel() for t in inputs], "cols", outs, outputs, opts.asyncOp)
 
@@ -181,7 +176,7 @@ def all_gather(pg: Any, output_tensors: list, input_tensors: list, opts: Any) ->
     inp = _one(op, input_tensors)
     outs = _per_rank(pg, op, output_tensors, "output")
     check_same_dtype(op, [inp, *outs])
-    check_numel(op, f"output_list[{pg.rank()}]", outs[pg.rank()], inp.numel())
+    check_numel(op, f"output_list[{pg.rank}]", outs[pg.rank], inp.numel())
     return _gather(pg, op, [inp], [outs], opts.asyncOp)
 
 
@@ -190,14 +185,14 @@ def all_gather_tensors(pg: Any, outputs: list, inputs: list, opts: Any) -> Work:
     rank order."""
     op = "all_gather_into_tensor"
     check_all_on_device(op, outputs=outputs, inputs=inputs)
-    n = pg.size()
+    n = pg.size
     for out, inp in zip(outputs, inputs, strict=True):
         check_same_dtype(op, [out, inp])
         check_numel(op, "output", out, inp.numel() * n)
     check_same_dtype(op, [*outputs, *inputs])
     widths = [t.numel() for t in inputs]
     starts = np.cumsum([0, *widths])
-    key = _key(pg, "all_gather", (int(starts[-1]),), _numeric(op, inputs[0].dtype))
+    key = _key(pg, "all_gather", (int(starts[-1]),), numeric_dtype(op, inputs[0].dtype))
     outs = [(t, ("cols", int(s), int(s) + w)) for t, s, w in zip(outputs, starts, widths)]
     return _submit(pg, op, key, inputs, widths, "flat", outs, outputs, opts.asyncOp)
 
@@ -205,7 +200,7 @@ def all_gather_tensors(pg: Any, outputs: list, inputs: list, opts: Any) -> Work:
 def all_gather_coalesced(pg: Any, output_lists: list, input_list: list, opts: Any) -> Work:
     op = "all_gather_coalesced"
     check_all_on_device(op, output_tensor_lists=output_lists, input_tensor_list=input_list)
-    n, inputs = pg.size(), list(input_list)
+    n, inputs = pg.size, list(input_list)
     lengths = [len(row) for row in output_lists]
     if len(output_lists) != n or any(k != len(inputs) for k in lengths):
         raise ValueError(
@@ -222,16 +217,16 @@ def all_gather_coalesced(pg: Any, output_lists: list, input_list: list, opts: An
 
 def gather(pg: Any, output_tensors: list, input_tensors: list, opts: Any) -> Work:
     op = "gather"
-    root = pg._check_rank(op, "dst", opts.rootRank)  # noqa: SLF001
+    root = pg.check_rank(op, "dst", opts.rootRank)
     check_all_on_device(op, gather_list=output_tensors, tensor=input_tensors)
     inp = _one(op, input_tensors)
-    if pg.rank() == root:
+    if pg.rank == root:
         outs = _per_rank(pg, op, output_tensors, "output", who="dst ")
         check_same_dtype(op, [inp, *outs])
         for t in outs:
             check_numel(op, "output", t, inp.numel())
     else:
-        outs = [None] * pg.size()
+        outs = [None] * pg.size
     return _gather(pg, op, [inp], [outs], opts.asyncOp, root=root)
 
 
@@ -243,8 +238,8 @@ def _gather(pg: Any, op: str, inputs: list, outputs: list, async_op: bool, root:
               for inp, row in zip(inputs, outputs)]
     starts = np.cumsum([0, *widths])
     total = int(starts[-1])
-    key = _key(pg, "all_gather", (total,), _numeric(op, inputs[0].dtype), root=root)
-    keep = root is None or root == pg.rank()
+    key = _key(pg, "all_gather", (total,), numeric_dtype(op, inputs[0].dtype), root=root)
+    keep = root is None or root == pg.rank
     outs = [(t, _flat(r * total + int(s), t.numel())) for row, s in zip(outputs, starts)
             for r, t in enumerate(row) if keep and t is not None]
     result = [t for row in outputs for t in row if t is not None]
@@ -253,38 +248,38 @@ def _gather(pg: Any, op: str, inputs: list, outputs: list, async_op: bool, root:
 
 def broadcast(pg: Any, tensors: list, opts: Any) -> Work:
     op = "broadcast"
-    root = pg._check_rank(op, "src", opts.rootRank)  # noqa: SLF001
+    root = pg.check_rank(op, "src", opts.rootRank)
     t = _one(op, tensors)
-    key = _key(pg, "broadcast", t.shape or (1,), _numeric(op, t.dtype), static=(root,))
-    outputs = [(t, _flat(0, t.numel()))] if pg.rank() != root else []
+    key = _key(pg, "broadcast", t.shape or (1,), numeric_dtype(op, t.dtype), static=(root,))
+    outputs = [(t, _flat(0, t.numel()))] if pg.rank != root else []
     return _submit(pg, op, key, [t], [t.numel()], "flat", outputs, [t], opts.asyncOp)
 
 
 def scatter(pg: Any, output_tensors: list, input_tensors: list, opts: Any) -> Work:
     op = "scatter"
-    root = pg._check_rank(op, "src", opts.rootRank)  # noqa: SLF001
+    root = pg.check_rank(op, "src", opts.rootRank)
     check_all_on_device(op, tensor=output_tensors, scatter_list=input_tensors)
     out = _one(op, output_tensors)
     width = out.numel()
     chunks = []
-    if pg.rank() == root:
+    if pg.rank == root:
         chunks = _per_rank(pg, op, input_tensors, "input", who="src ")
         check_same_dtype(op, [out, *chunks])
         for t in chunks:
             check_numel(op, "input", t, width)
-    key = _key(pg, "scatter", (pg.size(), width), _numeric(op, out.dtype), static=(root,))
+    key = _key(pg, "scatter", (pg.size, width), numeric_dtype(op, out.dtype), static=(root,))
     return _submit(pg, op, key, chunks, [width] * len(chunks), "flat", [(out, _flat(0, width))], [out],
                    opts.asyncOp)
 
 
 def all_to_all_single(pg: Any, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list,
                       input_split_sizes: list, opts: Any) -> Work:
-    op, n = "all_to_all_single", pg.size()
+    op, n = "all_to_all_single", pg.size
     check_all_on_device(op, output=[output], input=[input])
     check_same_dtype(op, [output, input])
     if not output_split_sizes and not input_split_sizes:
         check_even_all_to_all(op, n, input, output)
-        key = _key(pg, "all_to_all", (n, input.numel() // n), _numeric(op, input.dtype))
+        key = _key(pg, "all_to_all", (n, input.numel() // n), numeric_dtype(op, input.dtype))
         return _submit(pg, op, key, [input], [input.numel()], "flat", [(output, _flat(0, output.numel()))],
                        [output], opts.asyncOp)
     inputs, outputs = split_all_to_all(op, n, input, output, input_split_sizes, output_split_sizes)
@@ -292,7 +287,7 @@ def all_to_all_single(pg: Any, output: torch.Tensor, input: torch.Tensor, output
 
 
 def all_to_all(pg: Any, output_tensors: list, input_tensors: list, opts: Any) -> Work:
-    op, n = "all_to_all", pg.size()
+    op, n = "all_to_all", pg.size
     check_all_to_all_lists(op, n, output_tensors, input_tensors)
     check_all_on_device(op, output_tensor_list=output_tensors, input_tensor_list=input_tensors)
     check_same_dtype(op, [*input_tensors, *output_tensors])
@@ -303,13 +298,13 @@ def all_to_all(pg: Any, output_tensors: list, input_tensors: list, opts: Any) ->
 def _all_to_all_ragged(pg: Any, op: str, inputs: list, outputs: list, async_op: bool, result: list):
     """Sizes differ per pair: the ranks agree on the size matrix first (a small host program over
     the sizes, which are metadata), then every piece is padded on the device to the largest."""
-    n = pg.size()
-    dtype = _numeric(op, inputs[0].dtype)
+    n = pg.size
+    dtype = numeric_dtype(op, inputs[0].dtype)
     sizes = np.array([t.numel() for t in inputs] + [t.numel() for t in outputs], np.int64)
-    work = Work(pg._describe(op), pg._timeout)  # noqa: SLF001
+    work = Work(pg.describe(op), pg.timeout)
 
     def task():
-        both = pg._run_program(op, pg._key("all_gather", sizes), sizes).reshape(n, 2, n)  # noqa: SLF001
+        both = pg.run_program(op, pg.key("all_gather", sizes), sizes).reshape(n, 2, n)
         matrix, expected = both[:, 0, :], both[:, 1, :].T  # [sender, receiver], in elements
         if not (matrix == expected).all():
             bad = [(int(i), int(j)) for i, j in zip(*np.nonzero(matrix != expected))]
@@ -320,11 +315,11 @@ def _all_to_all_ragged(pg: Any, op: str, inputs: list, outputs: list, async_op: 
         width = max(1, int(matrix.max()))
         key = _key(pg, "all_to_all", (n, width), dtype)
         outs = [(t, _flat(r * width, t.numel())) for r, t in enumerate(outputs)]
-        call = da.prepare(key, pg.rank(), inputs, [width] * n, "flat", outs)
-        da.write_back(call, pg._run_program(op, key, call))  # noqa: SLF001
+        call = da.prepare(key, pg.rank, inputs, [width] * n, "flat", outs)
+        da.write_back(call, pg.run_program(op, key, call))
         return result
 
-    return pg._enqueue(work, task, async_op)  # noqa: SLF001
+    return pg.enqueue(work, task, async_op)
 
 
 # -- point to point: posted, paired and run as 2-device programs by p2p.py ------------------------------

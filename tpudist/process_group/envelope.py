@@ -27,13 +27,11 @@ sees it, see :mod:`tpudist.process_group.lowerings`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
 
-if TYPE_CHECKING:
-    from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.keys import ProgramKey
 
 FP_WORDS = 6
 # 4 KiB per row (issue 15). The envelope is the one collective of every small op, so its cost is

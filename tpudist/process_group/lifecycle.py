@@ -36,12 +36,12 @@ def abort(group: Any) -> None:
     torch's abort is per process but JAX's teardown is a barrier). Otherwise see the module table.
     """
     error = CollectiveAborted(
-        f"{group._describe('a collective')} was aborted before it completed (abort() or "
+        f"{group.channel.describe('a collective')} was aborted before it completed (abort() or "
         "_abort_process_group()); destroy the group and call init_process_group again")
     P2P.cancel(error)
     if not STREAM.abort(error):
         group.shutdown()
         return
-    if group._is_world:
+    if group.channel.is_world:
         runtime.abandon(owner=group)
-    group._store = None
+    group.channel.store = None

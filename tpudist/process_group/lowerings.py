@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
+from tpudist.process_group.keys import ProgramKey
 from tpudist.process_group.tensors import padded
-
-if TYPE_CHECKING:
-    from tpudist.process_group.programs import ProgramKey
 
 AXIS = "ranks"
 

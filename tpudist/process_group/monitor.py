@@ -17,7 +17,8 @@ _counters: dict[int, itertools.count] = {}
 
 def monitored_barrier(group: Any, timeout: timedelta, wait_all_ranks: bool = False) -> None:
     """Blocks until every rank of ``group`` arrived; rank 0 raises naming the ranks that did not."""
-    store, rank, size = group._store, group.rank(), group.size()  # noqa: SLF001
+    channel = group.channel
+    store, rank, size = channel.store, channel.rank, channel.size
     seq = next(_counters.setdefault(id(group), itertools.count()))
     prefix = f"tpudist/monitored_barrier/{seq}"
     store.set(f"{prefix}/arrived/{rank}", b"1")
@@ -33,7 +34,7 @@ def monitored_barrier(group: Any, timeout: timedelta, wait_all_ranks: bool = Fal
         if missing:
             shown = missing if wait_all_ranks else missing[:1]
             store.set(f"{prefix}/failed", str(shown).encode())
-            raise RuntimeError(f"monitored_barrier: ranks {shown} of group {group.group_name or '?'} "
+            raise RuntimeError(f"monitored_barrier: ranks {shown} of group {channel.name or '?'} "
                                f"did not arrive within {timeout.total_seconds():.1f}s")
         store.set(f"{prefix}/released", b"1")
         return

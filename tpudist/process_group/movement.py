@@ -30,7 +30,7 @@ class DataMovement:
     def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts or c10d.AllgatherOptions()
         if dc.on_device(output_tensors, input_tensors):
-            return dc.all_gather(self, output_tensors, input_tensors, opts)
+            return dc.all_gather(self.channel, output_tensors, input_tensors, opts)
         inp = self._one("all_gather", input_tensors)
         outs = self._per_rank("all_gather", output_tensors, "output")
         check_same_dtype("all_gather", [inp, *outs])
@@ -50,7 +50,7 @@ class DataMovement:
                 return work
         opts = opts or c10d.AllgatherOptions()
         if dc.on_device(outputs, inputs):
-            return dc.all_gather_tensors(self, outputs, inputs, opts)
+            return dc.all_gather_tensors(self.channel, outputs, inputs, opts)
         outputs = [check_device(op, t) for t in outputs]
         inputs = [check_device(op, t) for t in inputs]
         for out, inp in zip(outputs, inputs, strict=True):
@@ -83,7 +83,7 @@ class DataMovement:
         op = "all_gather_into_tensor"
         unit = tz.byte_unit(tz.nbytes(inp))
         block = tz.raw(inp, unit)
-        return self._flat(op, self._key("all_gather", block), block, tz.raw(out, unit).reshape(n, -1), out)
+        return self._flat(op, self.channel.key("all_gather", block), block, tz.raw(out, unit).reshape(n, -1), out)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """``output_lists[r][k]`` receives rank r's input k (torch's docstring: one list per rank,
@@ -91,7 +91,7 @@ class DataMovement:
         op = "all_gather_coalesced"
         opts = opts or c10d.AllgatherOptions()
         if dc.on_device(output_lists, input_list):
-            return dc.all_gather_coalesced(self, output_lists, input_list, opts)
+            return dc.all_gather_coalesced(self.channel, output_lists, input_list, opts)
         inputs = [check_device(op, t) for t in input_list]
         lengths = [len(row) for row in output_lists]
         if len(output_lists) != self.size() or any(n != len(inputs) for n in lengths):
@@ -135,14 +135,14 @@ class DataMovement:
                 offset += width
             return [o for row in outputs for o in row]
 
-        key = self._key("all_gather", block, root=root)  # gather: ranks must agree on the root too
-        return self._submit(op, key, block, finish, async_op, dest)
+        key = self.channel.key("all_gather", block, root=root)  # gather: ranks must agree on the root too
+        return self.channel.submit(op, key, block, finish, async_op, dest)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
         if dc.on_device(output_tensors, input_tensors):
-            return dc.gather(self, output_tensors, input_tensors, opts)
-        root = self._check_rank("gather", "dst", opts.rootRank)
+            return dc.gather(self.channel, output_tensors, input_tensors, opts)
+        root = self.channel.check_rank("gather", "dst", opts.rootRank)
         inp = self._one("gather", input_tensors)
         if self.rank() == root:
             outs = self._per_rank("gather", output_tensors, "output", who="dst ")
@@ -161,8 +161,8 @@ class DataMovement:
                 return work
         opts = opts or dist.BroadcastOptions()
         if dc.on_device(tensors):
-            return dc.broadcast(self, tensors, opts)
-        root = self._check_rank("broadcast", "src", opts.rootRank)
+            return dc.broadcast(self.channel, tensors, opts)
+        root = self.channel.check_rank("broadcast", "src", opts.rootRank)
         t = self._one("broadcast", tensors)
         check_output("broadcast", "tensor", t)
         block = tz.as_bytes(t)
@@ -172,7 +172,7 @@ class DataMovement:
                 tz.write_bytes(t, out)
             return [t]
 
-        return self._submit("broadcast", self._key("broadcast", block, static=(root,)), block, finish,
+        return self.channel.submit("broadcast", self.channel.key("broadcast", block, static=(root,)), block, finish,
                             opts.asyncOp)
 
     def _flat_broadcast(self, t: Any, root: int) -> Work | None:
@@ -181,16 +181,16 @@ class DataMovement:
         others receive in place. None: the general path runs."""
         if not self._flat_ready(t):
             return None
-        root = self._check_rank("broadcast", "src", root)
+        root = self.channel.check_rank("broadcast", "src", root)
         block = tz.as_bytes(t)
-        key = self._key("broadcast", block, static=(root,))
+        key = self.channel.key("broadcast", block, static=(root,))
         return self._flat("broadcast", key, block, None if self.rank() == root else block, t)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ScatterOptions()
         if dc.on_device(output_tensors, input_tensors):
-            return dc.scatter(self, output_tensors, input_tensors, opts)
-        root = self._check_rank("scatter", "src", opts.rootRank)
+            return dc.scatter(self.channel, output_tensors, input_tensors, opts)
+        root = self.channel.check_rank("scatter", "src", opts.rootRank)
         out = self._one("scatter", output_tensors)
         check_output("scatter", "output", out)
         width = tz.nbytes(out)
@@ -208,7 +208,7 @@ class DataMovement:
             tz.write_raw(out, res.view(np.uint8))
             return [out]
 
-        return self._submit("scatter", self._key("scatter", block, static=(root,)), block, finish,
+        return self.channel.submit("scatter", self.channel.key("scatter", block, static=(root,)), block, finish,
                             opts.asyncOp)
 
     # -- all_to_all -------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ class DataMovement:
                 return work
         opts = opts or dist.AllToAllOptions()
         if dc.on_device(output, input):
-            return dc.all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts)
+            return dc.all_to_all_single(self.channel, output, input, output_split_sizes, input_split_sizes, opts)
         output, input = check_device(op, output), check_device(op, input)
         check_same_dtype(op, [output, input])
         check_output(op, "output", output)  # may be the input itself: inputs are read first
@@ -237,7 +237,7 @@ class DataMovement:
                 tz.write_bytes(output, out)  # nothing to copy when the result was assembled in it
                 return [output]
 
-            return self._submit(op, self._key("all_to_all", block), block, finish, opts.asyncOp, dest)
+            return self.channel.submit(op, self.channel.key("all_to_all", block), block, finish, opts.asyncOp, dest)
         inputs, outputs = split_all_to_all(op, n, input, output, input_split_sizes, output_split_sizes)
         return self._all_to_all_ragged(op, inputs, outputs, opts.asyncOp, result=[output])
 
@@ -251,14 +251,14 @@ class DataMovement:
             return None
         unit = tz.byte_unit(tz.nbytes(input) // n)
         block = tz.raw(input, unit).reshape(n, -1)
-        return self._flat("all_to_all_single", self._key("all_to_all", block), block,
+        return self._flat("all_to_all_single", self.channel.key("all_to_all", block), block,
                           tz.raw(output, unit).reshape(n, -1), output)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         op, n = "all_to_all", self.size()
         opts = opts or dist.AllToAllOptions()
         if dc.on_device(output_tensors, input_tensors):
-            return dc.all_to_all(self, output_tensors, input_tensors, opts)
+            return dc.all_to_all(self.channel, output_tensors, input_tensors, opts)
         check_all_to_all_lists(op, n, output_tensors, input_tensors)
         inputs = [check_device(op, t) for t in input_tensors]
         outputs = [check_device(op, t) for t in output_tensors]
@@ -275,11 +275,11 @@ class DataMovement:
         n = self.size()
         recv = [tz.nbytes(t) for t in outputs]
         sizes = np.array([tz.nbytes(t) for t in inputs] + recv, np.int64)
-        work = Work(self._describe(op), self._timeout)
+        work = Work(self.channel.describe(op), self.channel.timeout)
 
         def task():
             # Every rank gets every row and column, so every rank reaches the same verdict.
-            both = self._run_program(op, self._key("all_gather", sizes), sizes).reshape(n, 2, n)
+            both = self.channel.run_program(op, self.channel.key("all_gather", sizes), sizes).reshape(n, 2, n)
             matrix, expected = both[:, 0, :], both[:, 1, :].T  # [sender, receiver]
             if not (matrix == expected).all():
                 bad = [(int(i), int(j)) for i, j in zip(*np.nonzero(matrix != expected))]
@@ -290,9 +290,9 @@ class DataMovement:
             width = int(matrix.max())
             unit = tz.byte_unit(int(np.gcd.reduce([*matrix.reshape(-1), width, 4])))
             block = np.stack([tz.padded(tz.raw(t, unit), width // unit.itemsize) for t in inputs])
-            out = self._run_program(op, self._key("all_to_all", block), block).view(np.uint8)
+            out = self.channel.run_program(op, self.channel.key("all_to_all", block), block).view(np.uint8)
             for r, t in enumerate(outputs):
                 tz.write_raw(t, out[r, :recv[r]])
             return result
 
-        return self._enqueue(work, task, async_op)
+        return self.channel.enqueue(work, task, async_op)

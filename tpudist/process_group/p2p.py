@@ -35,7 +35,7 @@ from tpudist.process_group import device_collectives as dc
 from tpudist.process_group import programs
 from tpudist.process_group import tensors as tz
 from tpudist.process_group.checks import check_output, overlaps
-from tpudist.process_group.programs import ProgramKey
+from tpudist.process_group.keys import ProgramKey
 from tpudist.process_group.runtime import GLOO_LOOP
 from tpudist.process_group.work import STREAM, CollectiveMismatch, Work
 
@@ -103,23 +103,23 @@ class PointToPoint:
 
     def post(self, group: Any, kind: str, t: torch.Tensor, peer: int | None, tag: int) -> Work:
         """Queues a send or recv of ``t`` with group rank ``peer`` (None: a recv from any source)."""
-        if peer == group.rank():
+        if peer == group.rank:
             raise ValueError(f"{kind}: rank {peer} cannot {kind} to itself; use a copy")
         if kind == "recv":
             check_output("recv", "tensor", t)
-        me = group.global_ranks[group.rank()]
+        me = group.global_ranks[group.rank]
         other = None if peer is None else group.global_ranks[peer]
         src, dst = (me, other) if kind == "send" else (other, me)
         shown = "any" if src is None else src
         # the same words as the comm thread's own timeout (_timeout): whichever fires first
-        work = DeferredWork(f"{group._describe('send/recv')}: {kind} {shown}->{dst} (tag {tag}) of "  # noqa: SLF001
-                            f"{tuple(t.shape)} {t.dtype}", group._timeout)  # noqa: SLF001
+        work = DeferredWork(f"{group.describe('send/recv')}: {kind} {shown}->{dst} (tag {tag}) of "
+                            f"{tuple(t.shape)} {t.dtype}", group.timeout)
         if kind == "recv":
             work.source = peer
         self._check_disjoint(kind, t, shown, dst)
         call = _device_call(kind, t) if _on_device(t) else None
         if kind == "send":  # before the transfer can block: an any-source receiver pairs on this
-            _announce(group, group.rank(), peer, tag)
+            _announce(group, group.rank, peer, tag)
         self._seq += 1
         op = Pending((src, dst, tag), self._seq, group, kind, t, work, call)
         if src is not None:
@@ -151,9 +151,9 @@ class PointToPoint:
         pending list: the others stay for the next flush, though serving this pair may run them
         already (their works finish when flushed). Not with a recv from any source pending (its
         place in the order is kept by the flush) nor on a group whose timeout is shorter than XLA's
-        (its waiter must be able to give up: see ProcessGroupTPU._enqueue)."""
+        (its waiter must be able to give up: see Channel.enqueue)."""
         mine = [p for p in self._pending if p.work is work]
-        if (len(mine) != 1 or not mine[0].group._inline  # noqa: SLF001
+        if (len(mine) != 1 or not mine[0].group.inline
                 or any(p.order[0] is None for p in self._pending)):
             return False
         (op,) = mine
@@ -172,7 +172,7 @@ class PointToPoint:
         for p in pending:
             if p.order[0] is not None:
                 _pair_order(p).drop(p)
-            p.work._finish(None, error)  # noqa: SLF001
+            p.work.finish(None, error)
 
     def flush(self) -> None:
         """Issues the pending sends and recvs: sorted by (sender, receiver, tag), then issue order,
@@ -198,20 +198,17 @@ def _counter(src: int, dst: int, tag: int) -> str:
 
 
 def _announce(group: Any, src: int, dst: int, tag: int) -> None:
-    if group.size() > 2:  # in a group of two, a recv from any source can only be from the other rank
-        group._store.add(_counter(src, dst, tag), 1)  # noqa: SLF001
+    if group.size > 2:  # in a group of two, a recv from any source can only be from the other rank
+        group.store.add(_counter(src, dst, tag), 1)
 
 
 def _sent(group: Any, src: int, dst: int, tag: int) -> int:
-    return group._store.add(_counter(src, dst, tag), 0)  # noqa: SLF001
+    return group.store.add(_counter(src, dst, tag), 0)
 
 
 def _received(group: Any) -> dict[tuple[int, int], int]:
     """Per (sender group rank, tag): how many recvs of this rank's group have been paired with it."""
-    counts = getattr(group, "_p2p_received", None)
-    if counts is None:
-        counts = group._p2p_received = {}  # noqa: SLF001
-    return counts
+    return group.p2p_received
 
 
 # Pairing polls the store: first quickly (a sender that is already there), then at most every 20 ms.
@@ -223,9 +220,9 @@ def _recv_any(op: Pending):
     from tpudist.process_group.work import CollectiveTimeout
 
     group, tag = op.group, op.order[2]
-    me, received = group.rank(), _received(group)
-    peers = [r for r in range(group.size()) if r != me]
-    deadline = time.monotonic() + group._timeout.total_seconds()  # noqa: SLF001
+    me, received = group.rank, _received(group)
+    peers = [r for r in range(group.size) if r != me]
+    deadline = time.monotonic() + group.timeout.total_seconds()
     pause = _POLL_FIRST_S
     while True:
         for peer in peers:  # the lowest group rank with a pending send wins
@@ -237,9 +234,9 @@ def _recv_any(op: Pending):
                 return _run_until_done(op)
         if time.monotonic() > deadline:
             raise CollectiveTimeout(
-                f"{group._describe('recv from any source')}: no rank of the group sent rank {me} a "  # noqa: SLF001
+                f"{group.describe('recv from any source')}: no rank of the group sent rank {me} a "
                 f"message with tag={tag} within the group timeout of "
-                f"{group._timeout.total_seconds():.0f}s")  # noqa: SLF001
+                f"{group.timeout.total_seconds():.0f}s")
         time.sleep(pause)
         pause = min(pause * 2, _POLL_MAX_S)
 
@@ -267,7 +264,7 @@ def _host_transfer(op: Pending, pair: tuple[int, int], src: int, dst: int):
     block = tz.raw(t, unit) if kind == "send" else np.zeros(tz.nbytes(t) // unit.itemsize, unit)
     key = ProgramKey("permute", tuple(block.shape), block.dtype.name, pair,
                      static=((pair.index(src), pair.index(dst)),))
-    out = group._run_program(kind, key, block)  # noqa: SLF001
+    out = group.run_program(kind, key, block)
     if kind == "recv":
         tz.write_raw(t, out.view(np.uint8))
     return [t]
@@ -298,7 +295,7 @@ class PairOrder:
 
     def __init__(self, group: Any, pair: tuple[int, int]):
         self.group, self.pair = group, pair
-        self.leader = group.global_ranks[group.rank()] == pair[0]
+        self.leader = group.global_ranks[group.rank] == pair[0]
         self.ops: list[Pending] = []  # posted, not yet run, in posting order
         self.posted: dict[tuple, int] = {}  # this side's ops per channel
         self.peer_posted: dict[str, bytes] = {}  # the leader: the follower's ops not yet run, by name
@@ -432,7 +429,7 @@ class StoreQueue:
 
     @property
     def store(self) -> Any:
-        return self.group._store  # noqa: SLF001
+        return self.group.store
 
     def push(self, message: bytes) -> None:
         if _has_queues(self.group):
@@ -468,23 +465,23 @@ class StoreQueue:
 
 
 def _has_queues(group: Any) -> bool:
-    has = getattr(group, "_p2p_has_queues", None)
+    has = group.p2p_has_queues
     if has is None:
         try:
-            group._store.queue_len("tpudist/p2p/probe")  # noqa: SLF001
+            group.store.queue_len("tpudist/p2p/probe")
             has = True
         except NotImplementedError:  # FileStore, HashStore: "queue support is not implemented"
             has = False
-        group._p2p_has_queues = has
+        group.p2p_has_queues = has
     return has
 
 
 def _blocking_store(group: Any) -> Any:
     """A second connection to the group's store for :meth:`PairOrder.block` (its timeout is set
     per wait; the group's own connection keeps the group's)."""
-    store = getattr(group, "_p2p_blocking_store", None)
+    store = group.p2p_blocking_store
     if store is None:
-        store = group._p2p_blocking_store = group._store.clone()  # noqa: SLF001
+        store = group.p2p_blocking_store = group.store.clone()
     return store
 
 
@@ -517,7 +514,7 @@ def _signature(op: Pending, pair: tuple[int, int]) -> bytes:
     group's code and the op's index on its channel), as hex bytes for the store's queues."""
     key = _key_of(op, pair)
     fp = da.fingerprint(key) if op.call is not None else programs.fingerprint(key)
-    where = np.array([op.group._group_code, op.index], np.int32)  # noqa: SLF001
+    where = np.array([op.group.code, op.index], np.int32)
     return np.concatenate([fp, where]).tobytes().hex().encode()
 
 
@@ -533,8 +530,8 @@ def _mismatch(op: Pending, pair: tuple[int, int]) -> CollectiveMismatch:
     """The error both sides raise when their ops differ, in the collectives' words."""
     mine = np.frombuffer(bytes.fromhex(op.signature.decode()), np.int32)
     peer = np.frombuffer(bytes.fromhex(op.peer_signature.decode()), np.int32)
-    fps = [mine, peer] if op.group.global_ranks[op.group.rank()] == pair[0] else [peer, mine]
-    return op.group._calls_differ(op.kind, pair, fps)  # noqa: SLF001
+    fps = [mine, peer] if op.group.global_ranks[op.group.rank] == pair[0] else [peer, mine]
+    return op.group.calls_differ(op.kind, pair, fps)
 
 
 # Waiting for a pair's next transfer: a short first pause (a ping-pong's peer posts within ~0.1 ms),
@@ -563,7 +560,7 @@ def _run_until_done(op: Pending) -> Any:
     cycle: a rank blocks inside a transfer only as a leader that decided it, waiting for a higher
     rank, so the waits only ever go up in rank. When one pair holds all of this process's pending
     ops, the rank waits on the store for that pair's next message instead of polling."""
-    timeout = op.group._timeout  # noqa: SLF001
+    timeout = op.group.timeout
     deadline, pause = time.monotonic() + timeout.total_seconds(), _ORDER_POLL_FIRST_S
     while not op.done:
         with _ORDERS_LOCK:  # one pair holds every pending op of this process: wait on it
@@ -606,7 +603,7 @@ def _run_until_done(op: Pending) -> Any:
 def _timeout(group: Any, what: str, timeout: timedelta) -> Exception:
     from tpudist.process_group.work import CollectiveTimeout
 
-    return CollectiveTimeout(f"{group._describe('send/recv')}: {what} within the group timeout of "  # noqa: SLF001
+    return CollectiveTimeout(f"{group.describe('send/recv')}: {what} within the group timeout of "
                              f"{timeout.total_seconds():.0f}s (a rank that is hung elsewhere, took another "
                              "branch, or died)")
 
@@ -620,9 +617,9 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     their storage) share memory only within one storage."""
     a_dev, b_dev = _on_device(a), _on_device(b)
     if a_dev or b_dev:
-        from tpudist.device import _storage
+        from tpudist.device import interop
 
-        if not (a_dev and b_dev) or _storage.buffer_of(a) is not _storage.buffer_of(b):
+        if not (a_dev and b_dev) or interop.buffer_of(a) is not interop.buffer_of(b):
             return False
     return overlaps(a, b)
 
@@ -633,7 +630,7 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _device_key(kind: str, t: torch.Tensor, pair: tuple[int, int], src: int, dst: int) -> ProgramKey:
     """The permute of ``t``'s elements in their dtype (the dtype is in the fingerprint, unlike the
     CPU path's raw bytes): sender and receiver of different dtypes or sizes get a mismatch."""
-    return ProgramKey("permute", (t.numel(),), dc._numeric(kind, t.dtype), pair,  # noqa: SLF001
+    return ProgramKey("permute", (t.numel(),), dc.numeric_dtype(kind, t.dtype), pair,
                       static=((pair.index(src), pair.index(dst)),))
 
 
@@ -651,7 +648,7 @@ def _device_transfer(op: Pending, pair: tuple[int, int], src: int, dst: int, seq
     """The transfer of a tpu tensor: its storage's array in, the receiver's new storage value out,
     as one program with no fingerprint exchange (PairOrder compared the two sides already).
     ``seq``: the pair's transfer number (negative: apart from the group's collective numbers),
-    under which the ranks report a failure (``ProcessGroupTPU._failure``)."""
+    under which the ranks report a failure (``Channel.failure``)."""
     key = _device_key(op.kind, op.tensor, pair, src, dst)
     me = src if op.kind == "send" else dst
     call = da.DeviceCall(dataclasses.replace(op.call.plan, key=key, me=pair.index(me)), op.call.arrays,
@@ -660,7 +657,7 @@ def _device_transfer(op: Pending, pair: tuple[int, int], src: int, dst: int, seq
     try:
         new_values = da.run_agreed(call)
     except Exception as e:  # XLA raises ValueError/JaxRuntimeError: make it a c10d-style error
-        raise op.group._failure(op.kind, key.group, seq, e) from e  # noqa: SLF001
+        raise op.group.failure(op.kind, key.group, seq, e) from e
     if op.kind == "recv":
         da.write_back(call, new_values)
     return [op.tensor]

@@ -5,7 +5,7 @@ along the one mesh axis ``AXIS``), and so is every output. A :class:`Lowering` s
 block becomes the inputs and the outputs its result: one of each for most ops, one per peer for the
 direct lowerings of all_to_all, all_gather, reduce_scatter and all_reduce (see
 :mod:`~tpudist.process_group.lowerings`).
-Programs are cached in memory by :class:`ProgramKey`; :func:`cache_stats` makes the hit rate
+Programs are cached in memory by :class:`~tpudist.process_group.keys.ProgramKey`; :func:`cache_stats` makes the hit rate
 observable. Their XLA executables are also kept in tpudist's program cache
 (:func:`tpudist.program_cache.load_or_compile`), keyed by the program and its devices: a rank
 loads what any rank of any run compiled (2-3 ms instead of a 100-220 ms compile).
@@ -33,27 +33,13 @@ from typing import Any, Callable
 import numpy as np
 
 from tpudist.process_group import envelope, runtime
+from tpudist.process_group.keys import DTYPE_NAMES, ProgramKey
 from tpudist.process_group.lowerings import (  # noqa: F401 - the ReduceOp names are used via programs.*
     AVG, AXIS, BAND, BOR, BXOR, LOWERINGS, MAX, MIN, PREMUL_SUM, PRODUCT, REDUCES, SUM, Lowering)
 from tpudist.process_group.runtime import GLOO_LOOP
 from tpudist.process_group.switch import Switch
 
-_DTYPE_NAMES = ("bfloat16", "bool", "complex128", "complex64", "float16", "float32", "float64",
-                "int16", "int32", "int64", "int8", "uint8")
 _WIDE = frozenset({"int64", "uint64", "float64", "complex128"})
-
-
-@dataclass(frozen=True, slots=True)
-class ProgramKey:
-    """Everything that decides the compiled program: same key, same program on every rank."""
-
-    op: str
-    shape: tuple[int, ...]  # one rank's input block
-    dtype: str  # numpy dtype name of the block
-    group: tuple[int, ...]  # global ranks in group order: the mesh
-    reduce: str | None = None
-    static: tuple = ()  # op-specific: root, premul factor, permutation
-    root: int | None = None  # reduce and gather: the program is the all_ form's, the result stays here
 
 
 @dataclass(slots=True)
@@ -85,17 +71,17 @@ class Executable:
     23-30 us. So the jitted call it is.
     """
 
-    __slots__ = ("_jitted",)
+    __slots__ = ("program",)
 
     def __init__(self, jitted: Callable[..., Any], mesh: Any = None, parts: tuple = ()):
         from tpudist import program_cache
 
         cached = mesh is not None and program_cache.default_cache() is not None
-        self._jitted = _FirstCall(self, jitted, list(mesh.devices.flat), parts) if cached else jitted
+        self.program = _FirstCall(self, jitted, list(mesh.devices.flat), parts) if cached else jitted
 
     def __call__(self, *args: Any) -> list[np.ndarray]:
         """This rank's block of each output (host views, no copies)."""
-        return [np.asarray(o._arrays[0])[0] for o in self._jitted(*args)]  # noqa: SLF001 - the local shard
+        return [np.asarray(o._arrays[0])[0] for o in self.program(*args)]  # noqa: SLF001 - the local shard
 
 
 class CachedProgram:
@@ -109,15 +95,15 @@ class CachedProgram:
     (``tpudist.sharding``). Without a cache the jitted program runs as it is.
     """
 
-    __slots__ = ("_fn",)
+    __slots__ = ("program",)
 
     def __init__(self, jitted: Callable[..., Any], devices: list, parts: tuple):
         from tpudist import program_cache
 
-        self._fn = _FirstCall(self, jitted, devices, parts) if program_cache.default_cache() is not None else jitted
+        self.program = _FirstCall(self, jitted, devices, parts) if program_cache.default_cache() is not None else jitted
 
     def __call__(self, *args: Any) -> Any:
-        return self._fn(*args)
+        return self.program(*args)
 
 
 class _FirstCall:
@@ -139,10 +125,7 @@ class _FirstCall:
                 _stats.xla_loaded += 1
             else:
                 _stats.xla_compiles += 1
-        if isinstance(self.owner, Executable):
-            self.owner._jitted = compiled  # noqa: SLF001 - later calls go straight to XLA
-        else:
-            self.owner._fn = compiled  # noqa: SLF001
+        self.owner.program = compiled  # later calls go straight to XLA
         return compiled(*args)
 
 
@@ -284,8 +267,8 @@ _cache: dict[tuple[ProgramKey, bool, bool], Compiled] = {}
 # exchange in front of collectives larger than the envelope (small ones travel in it anyway): one
 # collective fewer per call, and a rank that issues a different collective than its peers corrupts
 # data or aborts, as with NCCL. Must be the same on every rank.
-_VERIFY = Switch(os.environ.get("TPUDIST_VERIFY", "1") != "0")
-verify_collectives = _VERIFY.scoped  # (enabled): the cross-rank check, for a scope
+VERIFY = Switch(os.environ.get("TPUDIST_VERIFY", "1") != "0")
+verify_collectives = VERIFY.scoped  # (enabled): the cross-rank check, for a scope
 
 # Collectives whose data fits the envelope finish in its exchange (see envelope.py); the switch
 # exists so tests can run every op through its full program too. Same on every rank.
@@ -334,7 +317,7 @@ def mesh_of(group: tuple[int, ...]) -> Any:
 
 def program(key: ProgramKey) -> Compiled:
     """The compiled program for ``key``, built on first use."""
-    entry = (key, _VERIFY.on, _SMALL.on)
+    entry = (key, VERIFY.on, _SMALL.on)
     fn = _cache.get(entry)
     if fn is not None:
         _stats.hits += 1
@@ -353,7 +336,7 @@ def program(key: ProgramKey) -> Compiled:
 def fingerprint(key: ProgramKey) -> np.ndarray:
     """What a rank is about to run, as 4 int32: op and root, reduce and dtype, element count, and a
     hash of the rest. Ranks compare it inside the program before any data moves (see :func:`_build`)."""
-    ops, dtypes = sorted(LOWERINGS), sorted(_DTYPE_NAMES)
+    ops, dtypes = sorted(LOWERINGS), sorted(DTYPE_NAMES)
     reduce_code = REDUCES.index(key.reduce) + 1 if key.reduce else 0
     root_code = 0 if key.root is None else key.root + 1
     numel = int(np.prod(key.shape, dtype=np.int64))
@@ -364,7 +347,7 @@ def fingerprint(key: ProgramKey) -> np.ndarray:
 
 def describe_fingerprint(fp: np.ndarray, group_names: dict[int, str] | None = None) -> str:
     """E.g. "all_reduce sum of 4 x float32 (#3 on group 0)", "reduce sum to rank 1 of 4 x ..."."""
-    ops, dtypes = sorted(LOWERINGS), sorted(_DTYPE_NAMES)
+    ops, dtypes = sorted(LOWERINGS), sorted(DTYPE_NAMES)
     root_code, op_code = divmod(int(fp[0]), 256)
     reduce_code, dtype_code = divmod(int(fp[1]), 256)
     op = ops[op_code]
@@ -448,7 +431,7 @@ def checked_body(lowering: Lowering) -> Callable[..., tuple]:
     def body(*args):
         xs, rows = [x[0] for x in args[:-1]], args[-1]
         out_shapes = jax.eval_shape(lowering.body, *xs)  # inside shard_map: the axis is bound
-        fps = envelope.fingerprints(_exchange(rows[0]))
+        fps = envelope.fingerprints(exchange(rows[0]))
         agree = jnp.all(fps == fps[0:1])
         outs = jax.lax.cond(agree, lambda vs: lowering.body(*vs),
                             lambda vs: tuple(jnp.zeros(o.shape, o.dtype) for o in out_shapes), xs)
@@ -506,7 +489,7 @@ def _rows_buffer(group: tuple[int, ...], aval: Any, sharding: Any,
     return rows, x_rows
 
 
-def _exchange(rows):
+def exchange(rows):
     """Row j of ours goes to group rank j; row r of the result came from group rank r."""
     import jax
 
@@ -521,7 +504,7 @@ def _envelope_program(group: tuple[int, ...]) -> Executable:
         from jax.sharding import PartitionSpec as P
 
         mesh = mesh_of(group)
-        jitted = jax.jit(jax.shard_map(lambda rows: (_exchange(rows[0])[None],), mesh=mesh,
+        jitted = jax.jit(jax.shard_map(lambda rows: (exchange(rows[0])[None],), mesh=mesh,
                                        in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))
         fn = _envelope_programs[group] = Executable(jitted, mesh, ("envelope", envelope.WORDS))
     return fn

@@ -85,6 +85,9 @@ def _platform() -> str:
     return tpu_env.platform()
 
 
+platform = _platform  # the public name, for the packages above (the trainer's --device auto)
+
+
 def topology_for(world_size: int) -> Any:
     """The slice named by ``TPUDIST_TOPOLOGY``, or the smallest v5p slice holding the world.
 

@@ -50,20 +50,20 @@ def build(group: Any, t: torch.Tensor, reduce_op: Any) -> SmallAllReduce | None:
     if t.dtype == torch.bool or getattr(reduce_op, "op", reduce_op) == torch.distributed.ReduceOp.PREMUL_SUM:
         return None
     try:
-        reduce, static = group._reduce_name("all_reduce", reduce_op, t.dtype)  # noqa: SLF001
+        reduce, static = group.reduce_name("all_reduce", reduce_op, t.dtype)
     except (TypeError, ValueError):
         return None
     block = tz.as_numeric(t)
-    key = group._key("all_reduce", block, reduce, static)  # noqa: SLF001
+    key = group.key("all_reduce", block, reduce, static)
     if not envelope.fits(key):
         return None
     compiled = programs.program(key)
     if compiled.fn is not None or compiled.x_rows is None:
         return None
     n, nbytes = len(key.group), block.nbytes
-    fingerprint = compiled.call_fingerprint(group._group_code, 0)  # noqa: SLF001
+    fingerprint = compiled.call_fingerprint(group.code, 0)
     return SmallAllReduce(
-        group._describe("all_reduce"), key.group, compiled.envelope_fn, compiled.x_rows,  # noqa: SLF001
+        group.describe("all_reduce"), key.group, compiled.envelope_fn, compiled.x_rows,
         fingerprint, envelope.fingerprints(compiled.rows),
         envelope.payload(compiled.rows, nbytes, np.dtype(np.uint8)), tz.transport_view(t.dtype), block.dtype,
         nbytes, (n, *block.shape), reduce, static, compiled.loop_idle)

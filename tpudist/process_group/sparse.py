@@ -47,7 +47,7 @@ def check_sparse(op: str, t: torch.Tensor, reduce_name: str) -> torch.Tensor:
 def sparse_all_reduce(group: Any, t: torch.Tensor, async_op: bool) -> Work:
     """``group.allreduce([t])`` for a sparse COO ``t`` (SUM): ``t`` becomes the coalesced sum."""
     op = "all_reduce"
-    work = Work(group._describe(f"{op} (sparse)"), group._timeout)  # noqa: SLF001
+    work = Work(group.describe(f"{op} (sparse)"), group.timeout)
 
     def task():
         local = t.detach().coalesce()
@@ -56,7 +56,7 @@ def sparse_all_reduce(group: Any, t: torch.Tensor, async_op: bool) -> Work:
         header[:_HEADER] = (local.sparse_dim(), local.dense_dim(), local._nnz(),  # noqa: SLF001
                             _DTYPES.index(local.dtype))
         header[_HEADER:_HEADER + local.dim()] = local.shape
-        headers = group._run_program(op, group._key("all_gather", header), header)  # noqa: SLF001
+        headers = group.run_program(op, group.key("all_gather", header), header)
         _check_headers(group, headers)
         byte_counts = [_nbytes(h) for h in headers]
         width = max(byte_counts)
@@ -64,7 +64,7 @@ def sparse_all_reduce(group: Any, t: torch.Tensor, async_op: bool) -> Work:
         if width:  # every rank sees the same headers, so all skip or all run this program
             mine = np.concatenate([_bytes(indices), _bytes(values)])
             block = tz.padded(mine, width)
-            out = group._run_program(op, group._key("all_gather", block), block)  # noqa: SLF001
+            out = group.run_program(op, group.key("all_gather", block), block)
             pieces = [out[r, :byte_counts[r]] for r in range(len(headers))]
         total = None
         for h, piece in zip(headers, pieces):  # gloo's order: rank 0's tensor, then += each next
@@ -74,7 +74,7 @@ def sparse_all_reduce(group: Any, t: torch.Tensor, async_op: bool) -> Work:
             t.copy_(total.coalesce())
         return [t]
 
-    return group._enqueue(work, task, async_op)  # noqa: SLF001
+    return group.enqueue(work, task, async_op)
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -113,6 +113,6 @@ def _check_headers(group: Any, headers: np.ndarray) -> None:
         ranks = "; ".join(f"rank {r}: size={list(s)}, sparse_dim={sd}, dtype={dt}"
                           for r, (s, sd, dt) in enumerate(layouts))
         raise ValueError(
-            f"{group._describe('all_reduce (sparse)')}: sparse tensors must have the same size, "  # noqa: SLF001
+            f"{group.describe('all_reduce (sparse)')}: sparse tensors must have the same size, "
             f"sparse_dim and dtype on every rank (only nnz may differ); got {ranks}. No data was "
             "exchanged.")

@@ -52,7 +52,7 @@ class Work(dist._Work):  # noqa: SLF001 - the documented way to return works fro
         self._finishing = threading.Lock()
 
     # -- completion (called by the stream, or by abort before the stream gets there) --------------
-    def _finish(self, result: Any, exception: BaseException | None) -> None:
+    def finish(self, result: Any, exception: BaseException | None) -> None:
         with self._finishing:  # the first outcome stands: abort() may have failed this work already
             if self._finished:
                 return
@@ -223,7 +223,7 @@ class CommStream:
                 self._queue.put(_STOP)
             self._idle.notify_all()
         for work in cancelled + running:
-            work._finish(None, error)
+            work.finish(None, error)
         return bool(running)
 
     def stop(self) -> None:
@@ -266,7 +266,7 @@ class CommStream:
             self._pending -= 1
             self._running.discard(work)
             self._idle.notify_all()
-        work._finish(result, error)  # noqa: SLF001
+        work.finish(result, error)
 
 
 _STOP = object()  # ends the stream's thread

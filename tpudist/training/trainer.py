@@ -77,9 +77,9 @@ def resolve_device(name: str) -> torch.device:
     compute runs on the same host cores either way; on a TPU VM only the "tpu" device uses the chip.
     """
     if name == "auto":
-        from tpudist.process_group.runtime import _platform
+        from tpudist.process_group.runtime import platform
 
-        name = "tpu" if _platform() == "tpu" else "cpu"
+        name = "tpu" if platform() == "tpu" else "cpu"
     if name == "tpu":
         import tpudist.device  # noqa: F401  (the opt-in: installs the "tpu" device)
     return torch.device(name)
