@@ -205,15 +205,14 @@ def test_metadata_of_a_v4_pod_worker(metadata_server):
                     "/computeMetadata/v1/instance/attributes/worker-network-endpoints"]
 
 
-def test_metadata_of_one_host_asks_no_endpoints(metadata_server, capsys):
+def test_metadata_of_one_host_asks_no_endpoints(metadata_server, capsys, monkeypatch):
     environ, values, seen = metadata_server
     values["tpu-env"] = "ACCELERATOR_TYPE: 'v6e-8'\nCHIPS_PER_HOST_BOUNDS: '2,4,1'\nHOST_BOUNDS: '1,1,1'\nWORKER_ID: '0'\n"
-    import os
-    os.environ["GCE_METADATA_HOST"] = environ["GCE_METADATA_HOST"]
-    try:
-        assert main(["tpu-env", "--nproc-per-node", "8", "--json"]) == 0
-    finally:
-        del os.environ["GCE_METADATA_HOST"]
+    monkeypatch.setenv("GCE_METADATA_HOST", environ["GCE_METADATA_HOST"])
+    # `import jax` on a machine without TPU chips sets TPU_SKIP_MDS_QUERY=1 (jax/_src/cloud_tpu_init.py): a
+    # TPU VM's process has it unset, and reads the metadata server
+    monkeypatch.delenv("TPU_SKIP_MDS_QUERY", raising=False)
+    assert main(["tpu-env", "--nproc-per-node", "8", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["slice"] == "v6e:2x4" and [r["local_rank"] for r in printed["ranks"]] == list(range(8))
     assert printed["ranks"][7]["env"]["TPU_PROCESS_ADDRESSES"] == ",".join(f"localhost:{8476 + i}" for i in range(8))
