@@ -344,6 +344,15 @@ def _new_factory_for(op, args, kwargs):
     return kernel, leaves, buffers, scalars, None
 
 
+def reads_grown_storage(buffers) -> bool:
+    """Whether any of an op's storages (its signature's ``buffers``) is grown: else ``plan`` has nothing
+    to do for it (save a ``cat``, attention or ``arange``, which may start growth)."""
+    for b in buffers:
+        if b in CAPACITY:
+            return True
+    return False
+
+
 def _reads_grown(args, kwargs) -> bool:
     for x in flatten_args(args, kwargs)[0]:
         if isinstance(x, torch.Tensor) and is_tpu(x) and grown_dim(x) is not None:
