@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tpudist.device  # noqa: F401  (installs the "tpu" device)
-from tpudist.device import buckets
+from tpudist.device import _fused, buckets
 
 GENERATE = Path(__file__).resolve().parents[2] / "recipes" / "generate.py"
 MODES = ("strict", "fused")
@@ -219,3 +219,63 @@ def test_reading_a_view_that_moves_along_its_storage_compiles_one_reader():
         assert torch.equal(d[:, i].cpu(), x[:, i]) and d[0, i].item() == i
         assert torch.equal(d[:, i:i + 1].cpu(), x[:, i:i + 1])
     assert torch.tpu.cache_stats()["readers"] - before <= 3  # d[:, i], d[0, i], d[:, i:i+1]
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("batch", (1, 2), ids=["batch1", "padded_batch2"])
+@pytest.mark.parametrize("mode", ["fused"], indirect=True)
+def test_hf_static_cache_generate_first_call_compiles_few_programs(mode, batch, monkeypatch):
+    """Issue #56: 24 greedy tokens with HF's static cache, op by op in Fused mode. The first call builds at
+    most 16 XLA programs (fused programs and readers; every XLA compile counted, whatever asked for it).
+    Four of them run the model: the prefill, the first decode step (exact token ids), one program for
+    every later step (a view at a moving offset into the grown token ids is a runtime input from its first
+    value, not a constant first: one program more) and the last step (HF's stopping flag is a constant);
+    none is cut into parts for the cache's per-layer counters (_parts: two programs more, three launches
+    a step). The third call compiles nothing. Tokens equal CPU's."""
+    pytest.importorskip("transformers", reason="Hugging Face generate needs transformers (optional extra)")
+    import jax._src.compiler as jax_compiler
+
+    compiles, original = [], jax_compiler.compile_or_get_cached
+
+    def counted(*args, **kwargs):
+        compiles.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(jax_compiler, "compile_or_get_cached", counted)
+    forwards, compile_ = [], _fused._load_or_compile  # noqa: SLF001
+
+    def counting(g, *args, **kwargs):
+        if any(kernel.op == torch.ops.aten.mm.default for kernel, _, _ in g.nodes):  # a program running the model
+            forwards.append(len(g.nodes))
+        return compile_(g, *args, **kwargs)
+
+    monkeypatch.setattr(_fused, "_load_or_compile", counting)
+    torch.manual_seed(0)
+    model = _tiny_llama()
+    prompt = torch.randint(1, 128, (batch, 8))
+    mask = torch.ones_like(prompt)
+    if batch == 2:  # left padding: HF builds the padding mask every step
+        prompt[1, :3], mask[1, :3] = 0, 0
+    kwargs = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
+                  cache_implementation="static", max_cache_len=64, disable_compile=True)
+    reference = model.generate(prompt, attention_mask=mask, **kwargs)
+    model.to("tpu")
+    built, parted = [], torch.tpu.cache_stats().get("parted_graphs", 0)
+    for _ in range(3):
+        stats, num_compiles = torch.tpu.cache_stats(), len(compiles)
+        out = model.generate(prompt.to("tpu"), attention_mask=mask.to("tpu"), **kwargs).cpu()
+        assert torch.equal(out, reference)
+        after = torch.tpu.cache_stats()
+        built.append((after["programs"] + after["readers"] - stats["programs"] - stats["readers"],
+                      len(compiles) - num_compiles))
+    programs, xla = built[0]
+    assert 0 < programs <= 16 and xla <= 16, built
+    assert len(forwards) == 4 and torch.tpu.cache_stats().get("parted_graphs", 0) == parted, (forwards, built)
+    assert built[2] == (0, 0), built

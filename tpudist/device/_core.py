@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -661,7 +662,7 @@ def _resolve(op, args, kwargs, static, key, leaves, buffers, scalars):
         rt.stats["hits"] += 1
         return kernel, leaves, buffers, scalars
     if dynamic:
-        promoted = _promote(op, key, leaves, scalars)
+        promoted = _promote(op, key, leaves, scalars, buffers)
         if promoted is not None:
             kernel, general_scalars = promoted
             global _num_generalised
@@ -711,6 +712,11 @@ def _resolve(op, args, kwargs, static, key, leaves, buffers, scalars):
 
 _SITES: dict = {}
 _HINTS: dict = {}
+# storages ``_grow`` gave a bucketed capacity (grown Buffer -> capacity; ``_grow.CAPACITY``): sequences
+# that grow every step. A view into one at a nonzero offset (``ids[:, -1:]``) is a position along the
+# sequence, which moves every step: it is a runtime input from its first value (a constant first would
+# cost the decoding loop one more program, at the step after the sequence moved into its capacity)
+CAPACITY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _NEVER = object()  # a hinted site's "first value": no value stays a constant there
 _ELIGIBLE: dict = {}
 _RUNTIME_KINDS = ("F", "C", "D", "V")
@@ -820,12 +826,20 @@ def _hint_of(site):
     return site[0], site[1], site[2], tuple(slot[1:] for slot in site[3]), site[4]
 
 
-def _promote(op, key, leaves, scalars):
+def _moving_offsets(key, values, buffers) -> frozenset:
+    """The positions of ``values`` that are nonzero storage offsets into a grown storage (``CAPACITY``)."""
+    if not CAPACITY:
+        return frozenset()
+    sig = key[2]
+    return frozenset(i for i, v in values if v and sig[i][0] == "T" and buffers[sig[i][1]] in CAPACITY)
+
+
+def _promote(op, key, leaves, scalars, buffers):
     """A kernel with the ints that changed at this site as runtime inputs, or None (build it static)."""
     site, values = _site_of(op, key)
     entry = _SITES.get(site)
     if entry is None:
-        hinted = _HINTS.get(_hint_of(site))
+        hinted = _HINTS.get(_hint_of(site), frozenset()) | _moving_offsets(key, values, buffers)
         if not hinted:
             return None
         general = _generalise(key, scalars, hinted)

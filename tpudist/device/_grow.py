@@ -32,7 +32,6 @@ import hashlib
 import math
 import os
 import sys
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from tpudist import ops as tops
 from tpudist.device import _runtime as rt
 from tpudist.device import buckets, views
-from tpudist.device._core import Kernel, _cast, _offset, flatten_args, kernel_for, unflatten_args
+from tpudist.device._core import CAPACITY, Kernel, _cast, _offset, flatten_args, kernel_for, unflatten_args
 from tpudist.device._storage import _create_empty, attach, buffer_of, is_tpu
 
 aten = torch.ops.aten
@@ -57,7 +56,6 @@ _RESULT_LENGTHS: dict = {}
 _RESULT_LENGTHS_KEPT = 4
 _GREW: set = set()
 _KERNELS: dict = {}
-CAPACITY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # grown Buffer -> its capacity
 
 
 def _capacity_strides(shape, d, capacity):
@@ -344,6 +342,15 @@ def _new_factory_for(op, args, kwargs):
         return None
     kernel, leaves, buffers, scalars = kernel_for(op, (self.as_strided((1,), (1,), 0), *args[1:]), kwargs)
     return kernel, leaves, buffers, scalars, None
+
+
+def reads_grown_storage(buffers) -> bool:
+    """Whether any of an op's storages (its signature's ``buffers``) is grown: else ``plan`` has nothing
+    to do for it (save a ``cat``, attention or ``arange``, which may start growth)."""
+    for b in buffers:
+        if b in CAPACITY:
+            return True
+    return False
 
 
 def _reads_grown(args, kwargs) -> bool:

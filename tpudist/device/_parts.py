@@ -8,7 +8,11 @@ recorded a layer's worth at a time (``_groups``) compiles one layer's update. Th
 write what the whole graph's would; they only run one after another.
 
 A graph with no repeated part, or with more than ``MAX_PARTS`` parts (a loop over every parameter,
-one small program each would cost more to launch than it saves), runs whole, as before.
+one small program each would cost more to launch than it saves), runs whole, as before. A repeat of
+fewer than ``MIN_REPEAT_OPS`` ops is not a part of its own: a decoding step whose layers each bump a
+counter in place (Hugging Face's static cache) repeats one op per layer, and cut there it compiled two
+programs more (the counter's, the rest) and launched three a step instead of one, to spare compiling
+one op.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from tpudist._switches import switch
 from tpudist.device import _hoist
 
 MAX_PARTS = 24
+MIN_REPEAT_OPS = 2
 
 
 def enabled() -> bool:
@@ -74,7 +79,8 @@ def split(nodes: list, live: list, num_scalars: int) -> list[Part] | None:
     shapes: dict = {}
     for r, p in parts.items():
         shapes.setdefault(_shape(p), []).append(r)
-    repeated = sorted(r for rs in shapes.values() if len(rs) > 1 for r in rs)
+    repeated = sorted(r for rs in shapes.values() if len(rs) > 1 and len(parts[rs[0]].nodes) >= MIN_REPEAT_OPS
+                      for r in rs)
     if not repeated:
         return None
     rest = sorted(i for r, m in members.items() if r not in repeated for i in m)
