@@ -10,7 +10,12 @@ noise hits every mode alike. Printed per mode: median per-token decode time, its
 and the programs + kernels compiled per token (prefill excluded) in the first and the later calls.
 ``--hf`` adds a tiny Hugging Face Llama's ``generate(cache_implementation="static")`` (whole-call time
 per token, compiles including HF's own torch.compile of the decoding forward) and its ``generate`` with
-the default dynamic cache (``torch.cat`` per token: grown caches on the device). Writes nothing.
+the default dynamic cache (``torch.cat`` per token: grown caches on the device). ``--first-calls`` prints
+issue #56's table: HF static-cache generate in Fused mode (batch 1 and a left-padded batch 2, op by op
+and with HF's own compiled forward), what its first, second and third calls compile (XLA programs:
+fused programs and readers; kernels: per-op kernels traced) and the third call's time per token against
+CPU eager in the same run, with the targets (<= 16 XLA programs on the first call, 0 on the third,
+<= 1.5x CPU eager) met or not. Writes nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ def _args(argv=None):
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hf", action="store_true", help="also a tiny Hugging Face Llama (needs transformers)")
+    p.add_argument("--first-calls", action="store_true",
+                   help="only issue #56's table: HF static-cache generate's first/second/third call (Fused)")
     return p.parse_args(argv)
 
 
@@ -124,10 +131,71 @@ def _hf(gen, a, new_tokens: int, cache: str) -> None:
               f"{tw / cpu:6.2f}x cpu ({cw:.2f} comp/tok)  tokens = cpu: {same}")
 
 
+def _first_calls(a, new_tokens: int = 24, batch: int = 1, compile_forward: bool = False) -> None:
+    """Issue #56: HF static-cache generate in Fused mode, three calls of the same shapes: what each compiles,
+    and the third call's whole-call time per token against CPU eager's (the median of ``--rounds``,
+    interleaved with the device's calls)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    models = {"cpu": LlamaForCausalLM(cfg).eval()}
+    models["fused"] = copy.deepcopy(models["cpu"]).to("tpu")
+    prompt = torch.randint(1, 128, (batch, a.prompt_len))
+    mask = torch.ones_like(prompt)
+    if batch == 2:
+        prompt[1, :3], mask[1, :3] = 0, 0
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                  cache_implementation="static", max_cache_len=64, disable_compile=not compile_forward)
+
+    def call(mode):
+        device = "tpu" if mode == "fused" else "cpu"
+        start = time.perf_counter()
+        with torch.tpu.eager_mode(mode) if mode != "cpu" else contextlib.nullcontext():
+            out = models[mode].generate(prompt.to(device), attention_mask=mask.to(device), **kwargs).cpu()
+        return out, (time.perf_counter() - start) / new_tokens
+
+    def counts():
+        from tpudist.compile import STATS
+
+        s = torch.tpu.cache_stats()
+        return s["programs"] + s["readers"] + STATS.programs_compiled, s["kernels"]
+
+    reference, _ = call("cpu")
+    compiled, same = [], True
+    for _ in range(3):
+        before = counts()
+        out, per_token = call("fused")
+        compiled.append(tuple(n - b for n, b in zip(counts(), before)))
+        same = same and torch.equal(out, reference)
+    times = {"cpu": [], "fused": []}
+    for r in range(a.rounds):
+        for mode in ("cpu", "fused") if r % 2 == 0 else ("fused", "cpu"):
+            out, per_token = call(mode)
+            times[mode].append(per_token)
+            same = same and torch.equal(out, reference)
+    cpu, fused = statistics.median(times["cpu"]), statistics.median(times["fused"])
+    ratio = fused / cpu
+    print(f"\nHF Llama (hidden 64, 2 layers) static cache, {'compiled forward' if compile_forward else 'op by op'}, "
+          f"batch {batch}{' (left-padded)' if batch == 2 else ''}, {new_tokens} new tokens, Fused")
+    print(f"  XLA programs built, calls 1/2/3: {'/'.join(str(c[0]) for c in compiled)}  "
+          f"(target: <= 16 first, 0 third: {'met' if compiled[0][0] <= 16 and compiled[2][0] == 0 else 'NOT met'})")
+    print(f"  per-op kernels traced, calls 1/2/3: {'/'.join(str(c[1]) for c in compiled)}  "
+          f"(with the programs: {'/'.join(str(sum(c)) for c in compiled)})")
+    print(f"  warm ms per token: fused {fused * 1e3:.2f}, cpu eager {cpu * 1e3:.2f}: {ratio:.2f}x "
+          f"(target <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'}); tokens = cpu: {same}")
+
+
 def main(argv=None) -> None:
     a = _args(argv)
     import tpudist.device  # noqa: F401
 
+    if a.first_calls:
+        for compile_forward in (False, True):
+            for batch in (1, 2):
+                _first_calls(a, batch=batch, compile_forward=compile_forward)
+        return
     gen = runpy.run_path(str(GENERATE), run_name="generate_recipe")
     for new_tokens in a.new_tokens:
         _project(gen, a, new_tokens)

@@ -234,10 +234,10 @@ def _tiny_llama():
 def test_hf_static_cache_generate_first_call_compiles_few_programs(mode, batch, monkeypatch):
     """Issue #56: 24 greedy tokens with HF's static cache, op by op in Fused mode. The first call builds at
     most 16 XLA programs (fused programs and readers; every XLA compile counted, whatever asked for it).
-    Four of them run the model: the prefill, the first decode step (exact token ids), one program for
-    every later step (a view at a moving offset into the grown token ids is a runtime input from its first
-    value, not a constant first: one program more) and the last step (HF's stopping flag is a constant);
-    none is cut into parts for the cache's per-layer counters (_parts: two programs more, three launches
+    Three of them run the model: the prefill, the first decode step (exact token ids) and one program for
+    every later step, the last included (a view at a moving offset into the grown token ids is a runtime
+    input from its first value, and so is HF's stopping flag, a Python bool: each a constant first would
+    cost a program more); none is cut into parts for the cache's per-layer counters (_parts: two programs more, three launches
     a step). The third call compiles nothing. Tokens equal CPU's."""
     pytest.importorskip("transformers", reason="Hugging Face generate needs transformers (optional extra)")
     import jax._src.compiler as jax_compiler
@@ -277,5 +277,34 @@ def test_hf_static_cache_generate_first_call_compiles_few_programs(mode, batch, 
                       len(compiles) - num_compiles))
     programs, xla = built[0]
     assert 0 < programs <= 16 and xla <= 16, built
-    assert len(forwards) == 4 and torch.tpu.cache_stats().get("parted_graphs", 0) == parted, (forwards, built)
+    assert len(forwards) == 3 and torch.tpu.cache_stats().get("parted_graphs", 0) == parted, (forwards, built)
     assert built[2] == (0, 0), built
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_python_bools_are_runtime_inputs_and_never_ints(mode):
+    """A Python bool for a number is a runtime input from its first value (HF's stopping flag
+    ``torch.full((b,), is_done)`` flips at the last step), and its kernel is never an int's: ``True == 1``
+    in Python, but ``torch.full((2,), True)`` is bool and ``torch.full((2,), 1)`` int64 (the device once
+    gave the second the first's kernel). Values and dtypes equal CPU's, both orders of both values."""
+    x_cpu = torch.tensor([[True, False, True]])
+    i_cpu = torch.tensor([[3, -2, 0]])
+    f_cpu = torch.tensor([[1.5, -2.0, 0.25]])
+
+    def run(device, flags):
+        x, i, f = x_cpu.to(device), i_cpu.to(device), f_cpu.to(device)
+        outs = []
+        for flag in flags:
+            outs += [torch.full((2,), flag, device=device), torch.full((2,), int(flag), device=device),
+                     torch.full((2,), flag, device=device, dtype=torch.bool), x | flag, x.masked_fill(~x, flag),
+                     i + flag, f * flag, torch.where(x, f, flag), x == flag]
+        return [t.cpu() for t in outs]
+
+    compiled = []
+    for flags in ((True, False, True), (False, True, False)):
+        before = _compiled()
+        got, ref = run("tpu", flags), run("cpu", flags)
+        compiled.append(_compiled() - before)
+        for g, r in zip(got, ref, strict=True):
+            assert g.dtype == r.dtype and torch.equal(g, r), (flags, g, r)
+    assert compiled[1] == 0, compiled  # the other order of the same values: the same kernels

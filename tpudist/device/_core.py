@@ -376,6 +376,10 @@ def _signature_py(op, args, kwargs, static_floats: bool):
             scalars.append(x)
         elif isinstance(x, torch.device) and x.type == "tpu":
             sig.append(("S", _META_DEVICE))  # lowerings ignore it; tops.call's meta run must not allocate
+        elif x.__class__ is bool:  # not ("S", True): that equals ("S", 1), whose result may be int64, not bool
+            sig.append(("Z", x))
+        elif x.__class__ is float or x.__class__ is complex:  # ("S", 2.0) equals ("S", 2): the class decides the dtype
+            sig.append(("S", x, x.__class__))
         else:
             sig.append(("S", x if not isinstance(x, list) else tuple(x)))
     key = (id(op), treedef, tuple(sig), tuple(slots), static_floats)  # id: OpOverload.__hash__ is Python
@@ -782,6 +786,10 @@ def _site_of(op, key):
             if type(spec[1]) is int and i in eligible:
                 masked[i] = ("S", None)
                 values.append((i, spec[1]))
+        elif kind == "Z":
+            if i in eligible:
+                masked[i] = ("Z", None)
+                values.append((i, spec[1]))
         elif kind == "I":
             if not (spec[2].is_floating_point or spec[2].is_complex or spec[2] == torch.bool):
                 masked[i] = ("I", None, spec[2])
@@ -812,7 +820,8 @@ def _generalise(key, scalars, positions):
         if spec[0] == "T":
             value, general = spec[4], ("V", *spec[1:4], len(scalars), spec[5])
         else:
-            value, general = spec[1], ("D", len(scalars), spec[2] if spec[0] == "I" else None)
+            dtype = spec[2] if spec[0] == "I" else torch.bool if spec[0] == "Z" else None
+            value, general = spec[1], ("D", len(scalars), dtype)
         if not -exact < value < exact:
             return None
         scalars.append(value)
@@ -826,12 +835,14 @@ def _hint_of(site):
     return site[0], site[1], site[2], tuple(slot[1:] for slot in site[3]), site[4]
 
 
-def _moving_offsets(key, values, buffers) -> frozenset:
-    """The positions of ``values`` that are nonzero storage offsets into a grown storage (``CAPACITY``)."""
-    if not CAPACITY:
-        return frozenset()
+def _inputs_at_once(key, values, buffers) -> frozenset:
+    """The positions of ``values`` that are runtime inputs from their first value: Python bools for a
+    number (a flag Python computes each step, such as Hugging Face's stopping flag
+    ``torch.full((batch,), is_done)``, flips once, at the last step: as a constant first, that step alone
+    compiled a program), and nonzero storage offsets into a grown storage (``CAPACITY``)."""
     sig = key[2]
-    return frozenset(i for i, v in values if v and sig[i][0] == "T" and buffers[sig[i][1]] in CAPACITY)
+    return frozenset(i for i, v in values if sig[i][0] == "Z" or (
+        v and sig[i][0] == "T" and CAPACITY and buffers[sig[i][1]] in CAPACITY))
 
 
 def _promote(op, key, leaves, scalars, buffers):
@@ -839,7 +850,7 @@ def _promote(op, key, leaves, scalars, buffers):
     site, values = _site_of(op, key)
     entry = _SITES.get(site)
     if entry is None:
-        hinted = _HINTS.get(_hint_of(site), frozenset()) | _moving_offsets(key, values, buffers)
+        hinted = _HINTS.get(_hint_of(site), frozenset()) | _inputs_at_once(key, values, buffers)
         if not hinted:
             return None
         general = _generalise(key, scalars, hinted)

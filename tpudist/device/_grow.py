@@ -576,8 +576,9 @@ def _plan(op, leaves, treedef, grown, length, capacity, exact_leaves=None):
     buffers, slot_of, specs, scalars = [], {}, [], [length]
     for i, x in enumerate(leaves):
         if not isinstance(x, torch.Tensor):
-            specs.append(("S", torch.device("meta") if isinstance(x, torch.device) else
-                          tuple(x) if isinstance(x, list) else x))
+            # a number's class with it: ("S", True) == ("S", 1) == ("S", 1.0), whose results' dtypes differ
+            specs.append(("S", torch.device("meta")) if isinstance(x, torch.device) else
+                         ("S", tuple(x)) if isinstance(x, list) else ("S", x, x.__class__))
             continue
         buf = buffer_of(x)
         if buf.dtype != x.dtype:

@@ -41,6 +41,7 @@ PyObject* s_T = nullptr;
 PyObject* s_B = nullptr;
 PyObject* s_F = nullptr;
 PyObject* s_S = nullptr;
+PyObject* s_Z = nullptr;
 PyObject* s_numel = nullptr;
 PyObject* s_dtype = nullptr;
 PyObject* s_value = nullptr;
@@ -259,6 +260,10 @@ PyObject* signature_impl(PyObject* op, PyObject* args, PyObject* kwargs, PyObjec
                  return type.p && PyUnicode_Check(type.p) && PyUnicode_Compare(type.p, s_tpu) == 0;
                }()) {
       spec = PyTuple_Pack(2, s_S, g_meta_device);
+    } else if (PyBool_Check(x)) {  // not ("S", True): that equals ("S", 1)
+      spec = PyTuple_Pack(2, s_Z, x);
+    } else if (PyFloat_CheckExact(x) || PyComplex_CheckExact(x)) {  // ("S", 2.0) equals ("S", 2)
+      spec = PyTuple_Pack(3, s_S, x, reinterpret_cast<PyObject*>(Py_TYPE(x)));
     } else if (PyList_Check(x)) {
       Ref value(PySequence_Tuple(x));
       spec = value.p ? PyTuple_Pack(2, s_S, value.p) : nullptr;
@@ -508,6 +513,7 @@ PyMODINIT_FUNC PyInit_tpudist_fastpath() {
   s_B = PyUnicode_InternFromString("B");
   s_F = PyUnicode_InternFromString("F");
   s_S = PyUnicode_InternFromString("S");
+  s_Z = PyUnicode_InternFromString("Z");
   s_numel = PyUnicode_InternFromString("numel");
   s_dtype = PyUnicode_InternFromString("dtype");
   s_value = PyUnicode_InternFromString("value");
@@ -515,7 +521,7 @@ PyMODINIT_FUNC PyInit_tpudist_fastpath() {
   s_tpu = PyUnicode_InternFromString("tpu");
   s_graph = PyUnicode_InternFromString("graph");
   s_index = PyUnicode_InternFromString("index");
-  if (!s_graph || !s_index || !s_T || !s_B || !s_F || !s_S || !s_numel || !s_dtype || !s_value || !s_type || !s_tpu) {
+  if (!s_graph || !s_index || !s_T || !s_B || !s_F || !s_S || !s_Z || !s_numel || !s_dtype || !s_value || !s_type || !s_tpu) {
     Py_DECREF(m);
     return nullptr;
   }
