@@ -19,7 +19,7 @@ import pytest
 
 from tpudist.__main__ import main
 from tpudist.mesh import Topology, tpu_env
-from tpudist.mesh.tpu_facts import SliceFacts, TpuEnvError, parse_accelerator_type, read_slice_facts
+from tpudist.mesh.tpu_facts import TpuEnvError, parse_accelerator_type, read_slice_facts
 
 
 def _gke(accelerator, host_bounds, chips_per_host, worker_id=None, hostnames=None):
