@@ -283,3 +283,23 @@ if __name__ == "__main__":
         print(f"circle of {len(component)} modules:\n{_describe(component, import_graph())}")
     print("\n".join(upward_imports(import_graph())))
     print("\n".join(private_imports()))
+
+
+def _private_reaches(package: str) -> list[str]:
+    """``path:line: code`` of each ``# noqa: SLF001`` (an attribute with a leading underscore read off
+    another object) in ``tpudist/<package>``."""
+    found = []
+    for path in sorted((PACKAGE / package).rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "noqa: SLF001" in line:
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    return found
+
+
+def test_the_process_group_reaches_only_into_torch_and_jax():
+    """Issue 55: the group's helpers take its public Channel; what is left private is torch's c10d
+    registry and Python-backend base, and JAX's array shards: at most 5 such reaches, none into tpudist."""
+    reaches = _private_reaches("process_group")
+    own = [r for r in reaches if re.search(r"\b(self|group|channel|pg|tpudist)\._", r.split(": ", 1)[1])]
+    assert not own, "the process group reaches into tpudist's own privates:\n" + "\n".join(own)
+    assert len(reaches) <= 5, f"{len(reaches)} private reaches (at most 5):\n" + "\n".join(reaches)

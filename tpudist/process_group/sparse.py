@@ -53,8 +53,7 @@ def sparse_all_reduce(group: Any, t: torch.Tensor, async_op: bool) -> Work:
         local = t.detach().coalesce()
         indices, values = local.indices().contiguous(), local.values().contiguous()
         header = np.full(_HEADER + MAX_DIMS, -1, np.int64)
-        header[:_HEADER] = (local.sparse_dim(), local.dense_dim(), local._nnz(),  # noqa: SLF001
-                            _DTYPES.index(local.dtype))
+        header[:_HEADER] = (local.sparse_dim(), local.dense_dim(), indices.shape[1], _DTYPES.index(local.dtype))
         header[_HEADER:_HEADER + local.dim()] = local.shape
         headers = group.run_program(op, group.key("all_gather", header), header)
         _check_headers(group, headers)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.distributed.constants import default_pg_timeout
 
 _splits: dict[str, itertools.count] = {}  # parent group name -> splits made of it so far
 
@@ -51,14 +52,16 @@ def split_group(parent_pg: Any = None, split_ranks: list[list[int]] | None = Non
         return None
     ranks = [dist.get_global_rank(parent, r) for r in mine]
     backend = dist.get_backend(parent)
-    timeout = timeout if timeout is not None else c10d._get_default_timeout(backend)  # noqa: SLF001
+    if timeout is None:  # torch's default for every backend but NCCL, which this cannot be (no CUDA)
+        timeout = default_pg_timeout
     name = f"{parent.group_name}/split{number}/{'_'.join(map(str, ranks))}"
-    store = c10d._world.pg_map[c10d._get_default_group()][1]  # noqa: SLF001
+    world = c10d._world  # noqa: SLF001 - torch's registry of groups: their stores and rank maps
+    store = world.pg_map[dist.group.WORLD][1]
     # What new_group does after naming the group (torch 2.13), minus its world-wide barrier.
     pg, _ = c10d._new_process_group_helper(  # noqa: SLF001
         len(ranks), ranks.index(dist.get_rank()), ranks, backend, store, name,
         backend_options=pg_options, timeout=timeout, group_desc=group_desc)
-    c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(ranks)}  # noqa: SLF001
+    world.pg_group_ranks[pg] = {g: r for r, g in enumerate(ranks)}
     return pg
 
 
