@@ -74,3 +74,16 @@ def test_static_float_signatures_tell_the_classes_apart(first, second):
     for signature in filter(None, (_core._signature_py, getattr(_core._fast, "signature", None))):
         keys = [signature(torch.ops.aten.add.Tensor, (x, n), {}, True)[0] for n in (first, second)]
         assert keys[0] != keys[1], (signature, keys)
+
+
+def test_an_eager_mode_is_its_name_and_says_what_it_does():
+    from tpudist.device import _runtime as rt
+
+    seen = {}
+    for name in ("debug", "strict", "fused"):
+        with torch.tpu.eager_mode(name):
+            mode = torch.tpu.get_eager_mode()
+            seen[name] = (mode == name, mode.records, mode.checks)
+    assert seen == {"debug": (True, False, True), "strict": (True, False, False), "fused": (True, True, False)}
+    with pytest.raises(ValueError, match="'eager' is not an eager mode: use one of debug, strict, fused"):
+        rt.set_mode("eager")

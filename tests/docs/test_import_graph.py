@@ -303,3 +303,15 @@ def test_the_process_group_reaches_only_into_torch_and_jax():
     own = [r for r in reaches if re.search(r"\b(self|group|channel|pg|tpudist)\._", r.split(": ", 1)[1])]
     assert not own, "the process group reaches into tpudist's own privates:\n" + "\n".join(own)
     assert len(reaches) <= 5, f"{len(reaches)} private reaches (at most 5):\n" + "\n".join(reaches)
+
+
+def test_eager_modes_are_asked_what_they_do_not_compared_as_strings():
+    """Issue 55: the device asks its eager mode what it does (``mode.records``, ``mode.checks``); no module
+    of tpudist compares a mode with its name. ``torch.tpu.get_eager_mode() == "fused"`` still reads right
+    for users: a mode is its own name."""
+    pattern = re.compile(r"""(mode\(\)|\bmode)\s*(==|!=|\bin\b|\bnot in\b)\s*[("']*(debug|strict|fused)\b""")
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for path in sorted(PACKAGE.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "an eager mode compared as a string; ask it (records, checks):\n" + "\n".join(found)
+    assert pattern.search('if rt.get_mode() == "fused":') and pattern.search('if mode != "debug" and x:')

@@ -80,7 +80,7 @@ def _install() -> None:
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
-    if _runtime.get_mode() == "fused":
+    if _runtime.get_mode().records:
         from tpudist.device import _fused
 
         _fused.flush()

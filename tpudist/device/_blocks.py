@@ -94,7 +94,7 @@ def _cut(grad=None) -> None:
     from tpudist.device import _fused
     from tpudist.device import _runtime as rt
 
-    if rt.get_mode() != "fused":
+    if not rt.get_mode().records:
         return
     if _fused._graph is not None:  # noqa: SLF001
         _fused.flush(shaped=True)
@@ -111,7 +111,7 @@ def _hook_grad(value) -> None:
 def _active() -> bool:
     from tpudist.device import _runtime as rt
 
-    return torch.is_grad_enabled() and rt.get_mode() == "fused" and enabled()
+    return torch.is_grad_enabled() and rt.get_mode().records and enabled()
 
 
 def _is_block(module) -> bool:

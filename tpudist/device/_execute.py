@@ -85,7 +85,7 @@ def execute(op, args, kwargs, whole=False):
             raise
     else:
         rt.stats["hits"] += 1
-    if mode == "fused":
+    if mode.records:
         if kernel.random:
             scalars = scalars + list(rt.next_rng(args))
         return _fused.record(kernel, leaves, buffers, scalars)
@@ -99,7 +99,7 @@ def _whole(op, args, kwargs):
 def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
     if kernel.random:
         scalars = scalars + list(rt.next_rng(args))
-    if mode == "fused":
+    if mode.records:
         return _fused.record(kernel, leaves, buffers, scalars)
     arrays = []
     for b in buffers:
@@ -108,7 +108,7 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
             arrays = [concrete(b) for b in buffers]
             break
         arrays.append(v)
-    if mode == "debug":
+    if mode.checks:
         check_arguments(op, args, kwargs)
     try:
         # jax.jit keys its programs by the matmul precision too: a new setting traces the kernel again
@@ -129,7 +129,7 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
             X64.set_local(prev)
             if kernel.matmul:
                 PRECISION.set_local(prev_precision)
-        if mode == "debug":
+        if mode.checks:
             jax.block_until_ready(outs)
     except Exception as e:
         _oom.raise_if_oom(e, f"{op}", _oom.kernel_bytes(kernel))
@@ -140,7 +140,7 @@ def _dispatch(mode, op, args, kwargs, kernel, leaves, buffers, scalars):
         for slot, value in zip(kernel.written_slots, outs):
             buffers[slot].value = value
     fresh = _outputs(kernel.outputs, outs[num_written:] if num_written else outs, None, 0, None)
-    if mode == "debug" and rt.nan_check():
+    if mode.checks and rt.nan_check():
         check_nans(op, outs)
     return fresh[0] if kernel.single_result else result_of(kernel, leaves, fresh)
 

@@ -502,7 +502,7 @@ def flush(shaped: bool = False) -> None:
         else:
             for b, value in zip(bufs, outs):
                 b.value = value
-        if rt.get_mode() == "debug":
+        if rt.get_mode().checks:
             jax.block_until_ready(outs)
 
 

@@ -19,11 +19,36 @@ from tpudist import _world
 from tpudist.jax_cache import enable_persistent_cache
 
 LOCK = threading.RLock()
-MODES = ("debug", "strict", "fused")
+
+
+class EagerMode(str):
+    """An eager mode: its name (a ``str``: a user's ``torch.tpu.get_eager_mode()`` still equals "fused") and
+    what the device does in it, asked by name at each call site, never by comparing strings:
+
+    - ``records``: an op is recorded into the pending graph, run as one program at a boundary (Fused);
+      else each op runs its own kernel at once (Strict, Debug).
+    - ``checks``: each op's arguments are checked, each kernel waited for (errors at the op that raised
+      them) and NaNs can be looked for (Debug).
+    """
+
+    records = False
+    checks = False
+
+
+class _Debug(EagerMode):
+    checks = True
+
+
+class _Fused(EagerMode):
+    records = True
+
+
+DEBUG, STRICT, FUSED = _Debug("debug"), EagerMode("strict"), _Fused("fused")
+MODES = {m: m for m in (DEBUG, STRICT, FUSED)}  # name -> mode (a mode is its own name)
 _MODE_ENV = "TPUDIST_EAGER_MODE"
 
 _device = None
-_mode: str | None = None
+_mode: EagerMode | None = None
 _nan_check = os.environ.get("TPUDIST_DEBUG_NANS", "") == "1"
 _cpu_fallback = os.environ.get("TPUDIST_CPU_FALLBACK", "") == "1"
 _DYNAMIC_ENV = "TPUDIST_DYNAMIC_SCALARS"
@@ -88,21 +113,22 @@ def follow_process_group() -> None:
             enable_persistent_cache()  # device() returns this chip without looking it up (and enabling)
 
 
-def get_mode() -> str:
+def get_mode() -> EagerMode:
     global _mode
     if _mode is None:
         value = os.environ.get(_MODE_ENV, "strict").lower()
         if value not in MODES:
             raise ValueError(f"{_MODE_ENV}={value!r} is not an eager mode: use one of {', '.join(MODES)}")
-        _mode = value
+        _mode = MODES[value]
     return _mode
 
 
 def set_mode(mode: str) -> None:
+    """Sets the eager mode by name ("debug", "strict", "fused") or as an ``EagerMode``."""
     global _mode
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode={mode!r} is not an eager mode: use one of {', '.join(MODES)}")
-    _mode = mode
+    _mode = MODES[mode]
 
 
 def nan_check() -> bool:
