@@ -87,18 +87,38 @@ def pytest_collection_modifyitems(config, items):
 
 # -- memory: each pytest process's peak, and its rank processes', printed at the end of a run -------------
 _MEMORY_KEY = "tpudist_memory"
+_GROWTH: dict = {"peak": 0, "steps": []}  # this process's peak so far, and (bytes it grew, test) per test
+
+
+def _peak_of_this_process() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def pytest_sessionstart(session):
+    _GROWTH["peak"] = _peak_of_this_process()  # what imports and collection took is no test's
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logfinish(nodeid, location):
+    """Where this process's peak grew: the tests that raised it most are named in the report."""
+    peak = _peak_of_this_process()
+    if peak > _GROWTH["peak"]:
+        _GROWTH["steps"].append((peak - _GROWTH["peak"], nodeid))
+        _GROWTH["peak"] = peak
 
 
 def _memory_of_this_process() -> dict:
-    """This pytest process's peak resident bytes, its largest child's (ranks, torchrun, subprocesses: Linux's
-    RUSAGE_CHILDREN keeps the largest), and the rank processes its pools closed, largest first."""
-    import resource
+    """This pytest process's peak resident bytes, the tests that raised it most, and the rank processes
+    its pools closed, largest first (Linux's VmHWM of each, read as its pool closed it).
 
+    Not RUSAGE_CHILDREN: a child forked from this process counts this process's resident pages as its
+    own until it execs (Linux keeps the larger), so it reads as large as the parent, whatever it used."""
     from tpudist.testing import rank_peaks
 
     ranks = sorted(rank_peaks(), reverse=True)
-    return {"self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+    return {"self": _peak_of_this_process(), "grew": sorted(_GROWTH["steps"], reverse=True)[:3],
             "num_ranks": len(ranks), "ranks": [tuple(r) for r in ranks[:3]]}
 
 
@@ -131,14 +151,16 @@ def pytest_terminal_summary(terminalreporter, config):
     gb = 1024 ** 3
     terminalreporter.section("peak resident memory")
     for name, r in sorted(reports.items()):
-        terminalreporter.write_line(f"{name}: pytest process {r['self'] / gb:.2f} GB, largest child process "
-                                    f"{r['children'] / gb:.2f} GB, {r['num_ranks']} rank processes")
+        terminalreporter.write_line(f"{name}: pytest process {r['self'] / gb:.2f} GB, {r['num_ranks']} rank processes")
+        for grew, during in r.get("grew", []):
+            if grew >= 0.01 * gb:
+                terminalreporter.write_line(f"    grew {grew / gb:.2f} GB during {during}")
         for peak, pid, world_size, during in r["ranks"]:
             terminalreporter.write_line(f"    rank pid {pid} ({world_size} ranks): {peak / gb:.2f} GB during "
                                         f"{during or 'no test'}")
-    # under xdist the controller's children are the workers, counted already
-    workers = [r for name, r in reports.items() if name != "main"]
-    total = sum(r["self"] + r["children"] for r in workers) + reports["main"]["self"] if workers else \
-        reports["main"]["self"] + reports["main"]["children"]
+    # a pool's ranks run one test at a time, each beside its own pytest process
+    total = sum(r["self"] + sum(peak * world_size for peak, _, world_size, _ in r["ranks"][:1])
+                for r in reports.values())
     terminalreporter.write_line(f"at most {total / gb:.2f} GB at once: each pytest process's peak and its largest "
-                                "child's, added up")
+                                "rank pool's (its largest rank times its ranks), added up; other subprocesses "
+                                "(torchrun) not counted")
