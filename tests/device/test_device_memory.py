@@ -221,3 +221,20 @@ def test_chip_out_of_memory_is_torch_oom_and_the_process_keeps_working(mode):
     assert torch.equal((torch.ones(1000, device="tpu") + 1).cpu(), torch.full((1000,), 2.0))
     t = torch.ones(2**28, device="tpu")  # 1 GiB still fits
     assert t.sum().item() == 2**28
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"], indirect=True)
+def test_clear_kernel_cache_drops_the_compiled_and_keeps_the_tensors(mode):
+    """``torch.tpu.clear_kernel_cache()`` empties the kernels and Fused programs (pending Fused work runs
+    first); tensors made before keep their values, and the same ops compile again and equal CPU's."""
+    x_cpu = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    x = x_cpu.to("tpu")
+    pending = (x * 2 + 1).sum(0)  # Fused: still recorded when the cache goes
+    torch.tpu.synchronize()
+    assert _core._KERNELS or _fused._PROGRAMS, "nothing compiled: nothing to test"  # noqa: SLF001
+    torch.tpu.clear_kernel_cache()
+    assert not _core._KERNELS and not _fused._PROGRAMS and _fused.pending_ops() == 0  # noqa: SLF001
+    before = torch.tpu.cache_stats()["misses"] + torch.tpu.cache_stats()["programs"]
+    again = (x * 2 + 1).sum(0)
+    assert torch.equal(pending.cpu(), (x_cpu * 2 + 1).sum(0)) and torch.equal(again.cpu(), pending.cpu())
+    assert torch.tpu.cache_stats()["misses"] + torch.tpu.cache_stats()["programs"] > before  # compiled again

@@ -89,10 +89,11 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
 _install()
 
 from tpudist.device._module import (  # noqa: E402
-    cache_stats, eager_mode, get_eager_mode, set_cpu_fallback, set_eager_mode, set_nan_check, synchronize,
+    cache_stats, clear_kernel_cache, eager_mode, get_eager_mode, set_cpu_fallback, set_eager_mode, set_nan_check,
+    synchronize,
 )
 
 from tpudist.device._runtime import dynamic_scalars, set_dynamic_scalars  # noqa: E402
 
-__all__ = ["cache_stats", "dynamic_scalars", "eager_mode", "get_eager_mode", "set_cpu_fallback",
+__all__ = ["cache_stats", "clear_kernel_cache", "dynamic_scalars", "eager_mode", "get_eager_mode", "set_cpu_fallback",
            "set_dynamic_scalars", "set_eager_mode", "set_nan_check", "synchronize"]

@@ -256,6 +256,24 @@ def empty_cache() -> None:
     return None
 
 
+def clear_kernel_cache() -> None:
+    """Drops what this process compiled for the device, in host memory: per-op kernels, Fused programs,
+    what the automatic dynamic ints and the growing tensors learned, and JAX's own compiled programs.
+    Pending Fused work runs first; tensors stay valid. The next op compiles again (from the persistent
+    compile cache on disk where it holds the program). For long-lived processes that run many unrelated
+    models, such as a test suite's workers: each kernel keeps its XLA executable until then."""
+    import jax
+
+    from tpudist.device import _core, _fused, _grow
+
+    with rt.LOCK:
+        _fused.flush()
+        for cache in (_core._KERNELS, _core._SITES, _core._HINTS, _fused._PROGRAMS,  # noqa: SLF001
+                      *_grow.LEARNED):
+            cache.clear()
+        jax.clear_caches()
+
+
 # -- properties ----------------------------------------------------------------------------------------
 
 
