@@ -287,18 +287,23 @@ def where_fused_time_goes(model, opt, batches, top: int = 8) -> None:
     clock = time.perf_counter
     execute, flush, to_cpu = _execute.execute, _fused.flush, _core.to_cpu
 
-    def timed_execute(op, args, kwargs):
-        t0 = clock()
-        try:
-            return execute(op, args, kwargs)
-        finally:
-            total[str(op)] += clock() - t0
-            calls[str(op)] += 1
+    depth = [0]
 
-    def timed_flush():
+    def timed_execute(op, args, kwargs, whole=False):  # whole: a foreach op's parts call it again (_groups)
+        t0 = clock()
+        depth[0] += 1
+        try:
+            return execute(op, args, kwargs, whole)
+        finally:
+            depth[0] -= 1
+            if not depth[0]:  # the outermost call: its parts' time is in it
+                total[str(op)] += clock() - t0
+                calls[str(op)] += 1
+
+    def timed_flush(*args, **kwargs):  # flush(shaped=True): a block's cut (_blocks)
         t0 = clock()
         try:
-            return flush()
+            return flush(*args, **kwargs)
         finally:
             total["<sync: program run>"] += clock() - t0
 
