@@ -44,5 +44,5 @@ def fresh_caches(monkeypatch):
     monkeypatch.setattr(_core, "_num_generalised", 0)
     monkeypatch.setattr(_fused, "_PROGRAMS", {})
     # growing sequences: the first length a cat site saw, the lengths of its latest results, the arange ends
-    for name in ("_KERNELS", "_FIRST_LENGTH", "_RESULT_LENGTHS", "_GREW", "_ARANGE_FIRST", "_ARANGE_GROWN", "_PLANS"):
+    for name in _grow.LEARNED:
         monkeypatch.setattr(_grow, name, type(getattr(_grow, name))())

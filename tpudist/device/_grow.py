@@ -367,8 +367,9 @@ _MASKS_ITS_INPUTS = (aten.sum.default, aten.sum.dim_IntList)  # reduce over the 
 _ARANGE_FIRST: dict = {}  # (dtype, layout) -> the first end ``torch.arange(end)`` saw
 _ARANGE_GROWN: set = set()  # the sites of those that grew
 _PLANS: dict = {}  # kernel key -> (kernel, which outputs are grown along which dim)
-# what the process learned about its growing tensors, and their kernels (torch.tpu.clear_kernel_cache)
-LEARNED = (_KERNELS, _FIRST_LENGTH, _RESULT_LENGTHS, _GREW, _ARANGE_FIRST, _ARANGE_GROWN, _PLANS)
+# the names of what the process learned about its growing tensors, and their kernels: emptied by
+# torch.tpu.clear_kernel_cache (read by name: a test may put fresh ones in their place)
+LEARNED = ("_KERNELS", "_FIRST_LENGTH", "_RESULT_LENGTHS", "_GREW", "_ARANGE_FIRST", "_ARANGE_GROWN", "_PLANS")
 
 
 def pads(op) -> bool:

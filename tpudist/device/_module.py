@@ -269,7 +269,7 @@ def clear_kernel_cache() -> None:
     with rt.LOCK:
         _fused.flush()
         for cache in (_core._KERNELS, _core._SITES, _core._HINTS, _fused._PROGRAMS,  # noqa: SLF001
-                      *_grow.LEARNED):
+                      *(getattr(_grow, name) for name in _grow.LEARNED)):
             cache.clear()
         jax.clear_caches()
 
