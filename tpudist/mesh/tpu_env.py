@@ -28,6 +28,7 @@ import os
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
+from tpudist.mesh.generations import GENERATIONS
 from tpudist.mesh.topology import Topology
 from tpudist.mesh.tpu_facts import SliceFacts, TpuEnvError, read_slice_facts
 
@@ -97,7 +98,7 @@ def slice_topology(facts: SliceFacts) -> Topology:
     is ``v5e:4x4``. The torus model's hosts must be the hardware's, or ranks would sit on other chips."""
     x, y, z = facts.chip_bounds
     shape = (x, y, z)
-    if Topology.parse(f"{facts.generation}:1").num_dims == 2:
+    if GENERATIONS[facts.generation].num_dims == 2:
         if z != 1:
             raise TpuEnvError(f"accelerator_type={facts.accelerator_type!r} is a 2-D generation but its "
                               f"chip bounds are {x},{y},{z} (from {facts.source}): z must be 1.")
@@ -129,7 +130,7 @@ def host_plan(facts: SliceFacts, num_local_processes: int, port: int = DEFAULT_B
             f"chips_per_host={per_host} chips: tpudist runs one process per chip, and libtpu lets one process "
             f"hold a chip. Launch torchrun --nproc-per-node {per_host}.")
     if num_local_processes == 1 and facts.num_hosts == 1:
-        shape = (1, 1) if Topology.parse(f"{facts.generation}:1").num_dims == 2 else (1, 1, 1)
+        shape = (1,) * GENERATIONS[facts.generation].num_dims
         return HostPlan(Topology(facts.generation, shape), (_with_user(one_chip_env(port), environ),))
     if num_local_processes != per_host:
         raise TpuEnvError(
@@ -141,23 +142,21 @@ def host_plan(facts: SliceFacts, num_local_processes: int, port: int = DEFAULT_B
     ports = [port + r for r in range(per_host)]
     addresses = ",".join(f"{host}:{p}" for host in facts.worker_hosts for p in ports)
     bounds = ",".join(map(str, facts.chip_bounds))
-    ranks = []
-    for local_rank in range(per_host):
-        env = (("TPU_VISIBLE_CHIPS", str(local_rank)), ("TPU_CHIPS_PER_PROCESS_BOUNDS", _ONE_CHIP),
-               ("TPU_PROCESS_BOUNDS", bounds), ("CLOUD_TPU_TASK_ID", str(facts.worker_id * per_host + local_rank)),
-               ("TPU_PROCESS_PORT", str(ports[local_rank])), ("TPU_PROCESS_ADDRESSES", addresses),
-               ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"))
-        ranks.append(_with_user(RankEnv(local_rank, env), environ))
+    ranks = (_with_user(_rank_env(r, bounds, facts.worker_id * per_host + r, ports[r], addresses), environ)
+             for r in range(per_host))
     return HostPlan(topology, tuple(ranks))
 
 
 def one_chip_env(port: int = DEFAULT_BASE_PORT) -> RankEnv:
     """A one-process world: chip 0 of the host, alone (PyTorch/XLA's ``configure_one_chip_topology``
     sets the first three). Needs no slice facts."""
-    env = (("TPU_VISIBLE_CHIPS", "0"), ("TPU_CHIPS_PER_PROCESS_BOUNDS", _ONE_CHIP), ("TPU_PROCESS_BOUNDS", _ONE_CHIP),
-           ("CLOUD_TPU_TASK_ID", "0"), ("TPU_PROCESS_PORT", str(port)),
-           ("TPU_PROCESS_ADDRESSES", f"localhost:{port}"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"))
-    return RankEnv(0, env)
+    return _rank_env(0, _ONE_CHIP, 0, port, f"localhost:{port}")
+
+
+def _rank_env(local_rank: int, process_bounds: str, task_id: int, port: int, addresses: str) -> RankEnv:
+    """The variables of `ENV_NAMES`, in that order, for the process on chip ``local_rank`` of its host."""
+    values = (str(local_rank), _ONE_CHIP, process_bounds, str(task_id), str(port), addresses, "1")
+    return RankEnv(local_rank, tuple(zip(ENV_NAMES, values, strict=True)))
 
 
 def _with_user(rank: RankEnv, environ: Mapping[str, str] | None) -> RankEnv:
