@@ -6,9 +6,9 @@
 #   bash scripts/chip_twin.sh        # on a TPU VM, from the repository root
 #
 # tpu_step.py runs the modes in this order and its deadline drops the last ones first; --add-to keeps
-# the earlier run's rows it does not measure (old twin, HF, per-layer, Strict). $OUT/tpu_step.json and
-# $OUT/RESULTS.md come back: copy the JSON to benchmarks/results/tpu_step.json and run
-# `python benchmarks/report.py render` to update benchmarks/RESULTS.md.
+# the earlier run's rows it does not measure (old twin, HF, per-layer, Strict). $OUT/tpu_step.json comes
+# back: copy it to benchmarks/results/tpu_step.json and run `python benchmarks/report.py render` on the
+# development machine to update benchmarks/RESULTS.md (the chip's machine has no matplotlib for the plots).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 out="${OUT:-/tmp}"
@@ -17,5 +17,4 @@ source scripts/chip_env.sh --transformers || exit 1
 python3 benchmarks/tpu_step.py --modes twin_flash,twin_splash,compiled,fused,twin_xla,compiled_shaped,fused_shaped \
     --steps 5 --unsynced-steps 5 --profile-steps 1 --deadline-s 380 \
     --add-to benchmarks/results/tpu_step.json --json "$out/tpu_step.json" || exit 1
-cp "$out/tpu_step.json" benchmarks/results/tpu_step.json
-python3 benchmarks/report.py render && cp benchmarks/RESULTS.md "$out/"
+echo "chip_twin: copy $out/tpu_step.json to benchmarks/results/tpu_step.json, then python benchmarks/report.py render"

@@ -142,3 +142,24 @@ def test_python_numbers_reach_float32_and_int64_programs_exactly():
         base = torch.tensor([0, 1, -1]).to("tpu")
         got = torch.stack([base + v for v in ints]).cpu()
         assert torch.equal(got, torch.stack([torch.tensor([0, 1, -1]) + v for v in ints]))
+
+
+def test_complex128_reads_for_the_host_come_out_flat_on_a_tpu(chip):
+    """XLA:TPU fails to compile a program whose result is an N-d complex128 array (measured on a v5e:
+    scripts/probes/c128_reader.py), so on a TPU the reader of a copy to the host returns the view's
+    elements flat and the host reshapes them. With the platform check patched, the flat readers run here:
+    a whole tensor, a transposed view, a strided slice at an offset and a channels_last copy, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 7, 2, generator=g, dtype=torch.complex128)
+    d = x.to("tpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the float64 emulation warning the patched check shows
+        assert torch.equal(d.cpu(), x)
+        assert torch.equal(d.transpose(0, 2).cpu(), x.transpose(0, 2))
+        assert torch.equal(d[1:, ::2, 3].cpu(), x[1:, ::2, 3])
+        assert torch.equal(d.to("cpu", memory_format=torch.channels_last), x.to(memory_format=torch.channels_last))
+        assert _storage.value_of(d.transpose(0, 2), for_host=True).shape == (x.numel(),)
+        assert _storage.value_of(d.transpose(0, 2)).shape == (7, 5, 3, 2)  # a kernel's input keeps its shape
+    z = torch.randn(4, 3, generator=g, dtype=torch.complex64).to("tpu")  # other dtypes keep their shape
+    assert _storage.value_of(z.t(), for_host=True).shape == (3, 4)
+    assert torch.equal(z.t().cpu(), z.cpu().t())

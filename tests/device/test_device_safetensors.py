@@ -162,6 +162,27 @@ def test_a_name_bound_before_the_device_was_imported(tmp_path):
     assert run.stdout.split("\n")[-2] == "tpu:0 [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] tpu:0", run.stdout
 
 
+_LAZY_MODULE = """
+import sys, types
+import tpudist.device  # noqa: F401  before safetensors: the wrap runs inside safetensors' import
+class Lazy(types.ModuleType):
+    def __getattr__(self, name):  # transformers' lazy module imports its submodules here
+        raise RuntimeError(f"lazy module asked for {name}")
+sys.modules["some_lazy_package"] = Lazy("some_lazy_package")
+import safetensors.torch
+print("wrapped", getattr(safetensors.torch.safe_open, "tpudist", False))
+"""
+
+
+def test_the_wrap_does_not_wake_lazy_modules():
+    """Rebinding ``safe_open`` in modules that imported it reads each module's own namespace: a lazy
+    module's ``__getattr__`` (transformers' imports submodules there) must not run inside safetensors'
+    import (on a TPU VM's transformers that raised a circular ImportError from ``LlamaConfig``)."""
+    run = subprocess.run([sys.executable, "-c", _LAZY_MODULE], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[-2] == "wrapped True", run.stdout
+
+
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed")
 def test_accelerate_load_checkpoint_in_model_onto_the_device(tmp_path):
     from accelerate.utils import load_checkpoint_in_model

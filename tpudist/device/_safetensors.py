@@ -89,8 +89,10 @@ def _patch(package) -> None:
     wrapped = _wrap(original)
     # modules that imported the name before this ran hold the original (safetensors.torch's load_file
     # looks it up in its own module at each call; peft, accelerate, transformers bind it at import)
+    # A module's own namespace only: getattr would run a lazy module's __getattr__ (transformers' does an
+    # import there), and this runs while safetensors is being imported, inside someone else's import.
     for module in list(sys.modules.values()):
-        if getattr(module, "safe_open", None) is original:
+        if getattr(module, "__dict__", {}).get("safe_open") is original:
             module.safe_open = wrapped
 
 

@@ -209,14 +209,19 @@ def to_torch(array) -> torch.Tensor:
 _READERS: dict = {}
 
 
-def value_of(t: torch.Tensor):
-    """The concrete jax.Array value of a tpu tensor (flushes a pending fused graph first)."""
+def value_of(t: torch.Tensor, for_host: bool = False):
+    """The concrete jax.Array value of a tpu tensor (flushes a pending fused graph first); ``for_host``: its
+    elements as a 1-D array where the shape does not matter (a copy to the host, reshaped there)."""
     buf = buffer_of(t)
     sizes, strides, offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
     shaped = buf.value
     if (shaped.__class__ is Shaped and shaped.array.shape == sizes and offset == 0 and buf.dtype == t.dtype
             and views.is_contiguous(sizes, strides)):
         return shaped.array  # the whole of a compiled program's result, as it came
+    # XLA:TPU fails to compile a program whose result is an N-d complex128 array (a RET_CHECK in its
+    # float64 emulation, on a layout; a 1-D one compiles: scripts/probes/c128_reader.py), so a complex128
+    # read for the host comes out flat there
+    flat_out = for_host and t.dtype == torch.complex128 and _on_tpu()
     flat = concrete(buf)
     want = tops.to_jax_dtype(t.dtype)
     if flat is None or 0 in sizes:
@@ -226,7 +231,7 @@ def value_of(t: torch.Tensor):
     # storage (a decode loop's ids[:, -1], a cache slot) reuses one program.
     # The device too: a reader from the program cache is an executable of this device, and a new
     # world (a new JAX backend) has new devices.
-    key = (sizes, strides, flat.shape, flat.dtype, t.dtype, rt.device())
+    key = (sizes, strides, flat.shape, flat.dtype, t.dtype, rt.device(), flat_out)
     reader = _READERS.get(key)
     if reader is None:
         rt.stats["readers"] += 1
@@ -246,15 +251,16 @@ def _reader(key: tuple, flat, offset: int):
     without a cache root."""
     from tpudist import program_cache
 
-    sizes, strides, _, _, dtype, device = key
+    sizes, strides, _, _, dtype, device, flat_out = key
     want = tops.to_jax_dtype(dtype)
 
     def read(f, start):
-        return views.read_at(f, sizes, strides, start, want)
+        value = views.read_at(f, sizes, strides, start, want)
+        return value.reshape(-1) if flat_out else value
 
     if program_cache.default_cache() is None:
         return jax.jit(read)
-    parts = (_source_fingerprint(), sizes, strides, flat.shape, str(flat.dtype), str(dtype))
+    parts = (_source_fingerprint(), sizes, strides, flat.shape, str(flat.dtype), str(dtype), flat_out)
     with jax.enable_x64(True):
         compiled, _, _ = program_cache.load_or_compile("reader", parts, jax.jit(read), (flat, np.int64(offset)),
                                                        [device])
@@ -285,11 +291,11 @@ def to_cpu(t: torch.Tensor, strides: tuple | None = None) -> torch.Tensor:
     """A CPU copy of the tpu tensor ``t``: contiguous, or of the dense ``strides`` (the storage read in
     their physical order, so a channels_last copy costs no transpose on the host)."""
     if strides is None or strides == views.contiguous_strides(t.shape):
-        return to_torch(value_of(t)).reshape(t.shape)
+        return to_torch(value_of(t, for_host=True)).reshape(t.shape)
     order = views.permuted_order(t.shape, strides)
     if order is None:
         raise AssertionError(f"strides={strides} of a {tuple(t.shape)} tensor are not a dense layout")
-    flat = to_torch(value_of(t.permute(order))).reshape(-1)
+    flat = to_torch(value_of(t.permute(order), for_host=True)).reshape(-1)
     return torch.empty((0,), dtype=flat.dtype).set_(flat.untyped_storage(), 0, tuple(t.shape), strides)
 
 
