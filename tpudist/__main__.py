@@ -56,7 +56,7 @@ def _warmup(args: argparse.Namespace) -> int:
 
     import torch
 
-    from tpudist.jax_cache import enable_persistent_cache
+    from tpudist.runtime.jax_cache import enable_persistent_cache
     from tpudist.kernels import library
 
     if min(args.batch, args.seq_len, args.dim, args.heads) < 1:

@@ -1,4 +1,4 @@
-"""tpudist.program_cache: one store for traced programs, shareable by every process and host.
+"""tpudist.runtime.program_cache: one store for traced programs, shareable by every process and host.
 
 Unit tests of the store (atomic writes under concurrent writers, corrupt and foreign entries,
 eviction at the size bound, fsspec URLs), then processes sharing one cache folder: two emulated
@@ -19,8 +19,8 @@ import warnings
 
 import pytest
 
-from tpudist import program_cache
-from tpudist.program_cache import CacheEntryWarning, ProgramCache
+from tpudist.runtime import program_cache
+from tpudist.runtime.program_cache import CacheEntryWarning, ProgramCache
 
 
 def _no_cache_warnings():
@@ -204,7 +204,7 @@ def test_file_url_is_the_local_folder(tmp_path):
 # one whole payload (never half of one, never a corrupt entry).
 _WRITER = textwrap.dedent("""
     import sys, time
-    from tpudist import program_cache
+    from tpudist.runtime import program_cache
     program_cache.versions = lambda: {"test": "1"}  # the store alone: no jax/torch import per process
     root, me, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     cache = program_cache.ProgramCache(root, max_bytes=1 << 30)
@@ -215,7 +215,7 @@ _WRITER = textwrap.dedent("""
 
 _READER = textwrap.dedent("""
     import json, os, sys
-    from tpudist import program_cache
+    from tpudist.runtime import program_cache
     program_cache.versions = lambda: {"test": "1"}
     root, stop = sys.argv[1], sys.argv[2]
     cache = program_cache.ProgramCache(root, max_bytes=1 << 30)
@@ -260,7 +260,7 @@ def test_concurrent_writers_and_a_reader_never_see_half_a_file(tmp_path):
 # never makes another's read or write fail or see a corrupt entry, and the bound holds at the end.
 _EVICTING_WRITER = textwrap.dedent("""
     import sys
-    from tpudist import program_cache
+    from tpudist.runtime import program_cache
     program_cache.versions = lambda: {"test": "1"}
     root, me, bound = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     cache = program_cache.ProgramCache(root, max_bytes=bound)
@@ -271,7 +271,7 @@ _EVICTING_WRITER = textwrap.dedent("""
 
 _EVICTION_READER = textwrap.dedent("""
     import json, os, sys
-    from tpudist import program_cache
+    from tpudist.runtime import program_cache
     program_cache.versions = lambda: {"test": "1"}
     root, stop = sys.argv[1], sys.argv[2]
     cache = program_cache.ProgramCache(root, max_bytes=1 << 30)  # reads only: it never evicts
@@ -428,7 +428,7 @@ _OTHER_DEVICE = textwrap.dedent("""
     import json, os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import jax, numpy as np
-    from tpudist import program_cache
+    from tpudist.runtime import program_cache
     cache = program_cache.ProgramCache(sys.argv[1], max_bytes=1 << 24)
     d0, d1 = jax.devices()
     jitted = jax.jit(lambda a, s: (jax.numpy.tanh(a @ a) * s, [a.sum()]))
@@ -471,7 +471,7 @@ _HOST = textwrap.dedent("""
     import json, torch, torch.nn.functional as F
     import jax, jax.numpy as jnp, numpy as np
     from jax import monitoring
-    from tpudist import program_cache
+    from tpudist.runtime import program_cache
     from tpudist.compile.program import STATS
 
     events = {"hits": 0, "misses": 0}
@@ -486,7 +486,7 @@ _HOST = textwrap.dedent("""
     loss.backward()
     grad = model[0].weight.grad.norm().item()
 
-    from tpudist.jax_cache import enable_persistent_cache
+    from tpudist.runtime.jax_cache import enable_persistent_cache
     enable_persistent_cache()
     spec = jax.ShapeDtypeStruct((4, 4), np.float32)
     loaded = program_cache.load_or_export("test_fused", ("matmul+tanh", (4, 4)),

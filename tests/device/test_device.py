@@ -569,7 +569,7 @@ def run_fused_disk_cache_per_device():
     import torch.distributed as dist
 
     import tpudist.device  # noqa: F401
-    from tpudist import program_cache
+    from tpudist.runtime import program_cache
 
     with torch.tpu.eager_mode("fused"):
         y = (torch.arange(4.0, device="tpu") + float(dist.get_rank())) * 3.0
@@ -798,7 +798,7 @@ def test_fsdp2_frees_and_reallocates_tpu_storages(dev):
 _COMPILE_CODE = """
 import json, torch, torch.nn.functional as F, tpudist.device
 import jax._src.compiler as jax_compiler
-from tpudist import program_cache
+from tpudist.runtime import program_cache
 from tpudist.training.model import ModelArgs, Transformer
 compiles, original = [], jax_compiler.backend_compile_and_load
 def counted(backend, module, devices, *args, **kwargs):  # every XLA compile, whatever asked for it

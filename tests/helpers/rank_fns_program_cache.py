@@ -16,7 +16,7 @@ def compile_in_turn():
     import torch.nn.functional as F
 
     import tpudist.device  # noqa: F401 - before any backward (COMMON.md)
-    from tpudist import program_cache
+    from tpudist.runtime import program_cache
     from tpudist.compile.program import STATS
     from tpudist.process_group import runtime
 
@@ -79,7 +79,7 @@ def one_of_each():
     import torch.nn.functional as F
 
     import tpudist.device  # noqa: F401 - before any backward (COMMON.md)
-    from tpudist import program_cache
+    from tpudist.runtime import program_cache
     from tpudist.compile.program import STATS
     from tpudist.process_group.programs import cache_stats
 

@@ -16,7 +16,7 @@ import jax
 import jax.extend.backend
 import pytest
 
-from tpudist import _world
+from tpudist.runtime import chip
 from tpudist.mesh import tpu_env
 from tpudist.mesh.tpu_facts import TpuEnvError
 from tpudist.process_group import runtime
@@ -81,7 +81,7 @@ def tpu_backend(monkeypatch):
     monkeypatch.setattr(runtime, "_runtime", None)
     monkeypatch.setattr(runtime, "_owner_id", None)
     yield seen, coords
-    _world.set_local_device(None)
+    chip.set_local_device(None)
     STREAM.set_uncancellable(None)
 
 

@@ -9,12 +9,12 @@ XLA's result buffers, each in the dtype ``node.meta["val"]`` records.
 
 Programs are cached in memory by their key (the graph's code, its input shapes and dtypes, its
 constants and the collective groups it names) and on disk in tpudist's program cache
-(``tpudist.program_cache``): XLA's executable, keyed by the program and its devices (a
+(``tpudist.runtime.program_cache``): XLA's executable, keyed by the program and its devices (a
 single-device graph's by its platform only: any rank loads it onto its own device), so a rank of a
 later world or another host with the same layout neither traces nor compiles; and for programs
 without collectives also the traced program as a ``jax.export`` module, which names no device: any
 rank or host that would trace the same graph reads it and only compiles. JAX's persistent
-compilation cache (``tpudist.jax_cache``) serves XLA's compile where the executable is missing.
+compilation cache (``tpudist.runtime.jax_cache``) serves XLA's compile where the executable is missing.
 
 Dots and convolutions run at torch's float32 matmul precision of the call (``tpudist.matmul_precision``).
 Dynamo guards on cuBLAS's ``allow_tf32`` only, which "high" and "medium" share (torch 2.13), so a
@@ -162,7 +162,7 @@ class GraphProgram:
                  collectives: Any = None, xla_options: dict | None = None):
         import jax
 
-        from tpudist.jax_cache import enable_persistent_cache
+        from tpudist.runtime.jax_cache import enable_persistent_cache
 
         enable_persistent_cache()
         self._boxed_call = True  # on the instance: torch._dynamo.disable's wraps() copies __dict__ only
@@ -325,7 +325,7 @@ class GraphProgram:
         """Traces the program (or reads it from the program cache) and compiles it (or reads it)."""
         import jax
 
-        from tpudist import program_cache
+        from tpudist.runtime import program_cache
         from tpudist.ops import KeySource, keys
 
         num_keys = [0]
@@ -405,7 +405,7 @@ class GraphProgram:
         its ``exported`` is None where the program is jitted as it is (see ``load_or_export``)."""
         from jax import export
 
-        from tpudist import program_cache
+        from tpudist.runtime import program_cache
 
         return program_cache.load_or_export("compile", self.key, lambda: export.export(traced)(*args),
                                             lambda: {"num_keys": num_keys[0]})

@@ -280,7 +280,7 @@ COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 def _load_or_compile(g: Graph, live, sc, shapes=None):
     """A fused program: its XLA executable from tpudist's program cache if any rank of any host
     compiled an identical graph before, else its traced module from there, else traced; compiled
-    and both stored (``tpudist.program_cache``, ``<TPUDIST_CACHE_DIR>/programs``).
+    and both stored (``tpudist.runtime.program_cache``, ``<TPUDIST_CACHE_DIR>/programs``).
 
     Tracing hundreds of kernels into one program dominates a warm start, and JAX's persistent
     cache, which holds XLA's compile, is written only by JAX process 0 on multi-process CPU, with
@@ -290,7 +290,7 @@ def _load_or_compile(g: Graph, live, sc, shapes=None):
     """
     from jax import export
 
-    from tpudist import program_cache
+    from tpudist.runtime import program_cache
 
     cached = program_cache.default_cache() is not None
     key = _program_key(g, live, shapes) if cached else None

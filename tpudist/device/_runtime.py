@@ -15,8 +15,8 @@ from collections import Counter
 
 from torch import Generator as _TorchGenerator
 
-from tpudist import _world
-from tpudist.jax_cache import enable_persistent_cache
+from tpudist.runtime import chip
+from tpudist.runtime.jax_cache import enable_persistent_cache
 
 LOCK = threading.RLock()
 
@@ -73,7 +73,7 @@ def device():
     with LOCK:
         if _device is not None:
             return _device
-        _device = _world.local_device()
+        _device = chip.local_device()
         if _device is None:
             world = int(os.environ.get("WORLD_SIZE", "1") or 1)
             if world > 1:
@@ -108,7 +108,7 @@ def follow_process_group() -> None:
     """
     global _device
     with LOCK:
-        _device = _world.local_device()
+        _device = chip.local_device()
         if _device is not None:
             enable_persistent_cache()  # device() returns this chip without looking it up (and enabling)
 
@@ -300,7 +300,7 @@ def run_with_generator(run, op, args, kwargs):
 
 def _follow_a_booted_process_group() -> None:
     """``import tpudist.device`` after ``init_process_group("tpu")``: the chip is known already."""
-    if _world.local_device() is not None:
+    if chip.local_device() is not None:
         follow_process_group()
 
 

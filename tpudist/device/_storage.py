@@ -249,7 +249,7 @@ def _reader(key: tuple, flat, offset: int):
     executable from tpudist's program cache where any rank or host compiled it (JAX's cache, on
     multi-process CPU, is written by process 0 only), else compiled and stored; jitted as it is
     without a cache root."""
-    from tpudist import program_cache
+    from tpudist.runtime import program_cache
 
     sizes, strides, _, _, dtype, device, flat_out = key
     want = tops.to_jax_dtype(dtype)

@@ -301,7 +301,7 @@ class JaxKernel:
         import jax
 
         from tpudist import matmul_precision as precision
-        from tpudist.jax_cache import enable_persistent_cache
+        from tpudist.runtime.jax_cache import enable_persistent_cache
 
         enable_persistent_cache()  # once per process; `python -m tpudist warmup` fills it ahead of time
         jitted = jax.jit(traced)
@@ -368,7 +368,7 @@ class JaxKernel:
         """Compiles the programs a call on tensors shaped like these runs (into JAX's caches).
 
         ``tensors`` may be meta tensors. Returns the number of programs compiled (forward, and
-        backward if asked). With the persistent compile cache on (``tpudist.jax_cache``), a later
+        backward if asked). With the persistent compile cache on (``tpudist.runtime.jax_cache``), a later
         process reads them from disk.
         """
         from tpudist import matmul_precision as precision

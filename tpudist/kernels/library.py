@@ -174,7 +174,7 @@ def warmup(*, batch: int = 8, seq_len: int = 32, dim: int = 64, n_heads: int = 4
            dtypes: tuple[torch.dtype, ...] = (torch.float32,), eps: float = 1e-5) -> int:
     """Compiles every shipped kernel, forward and backward, for a decoder of this shape.
 
-    With the persistent compile cache on (``tpudist.jax_cache.enable_persistent_cache``), later
+    With the persistent compile cache on (``tpudist.runtime.jax_cache.enable_persistent_cache``), later
     processes calling the kernels on these shapes skip XLA compilation. Returns the programs compiled.
     """
     if dim % n_heads:

@@ -7,7 +7,7 @@ direct lowerings of all_to_all, all_gather, reduce_scatter and all_reduce (see
 :mod:`~tpudist.process_group.lowerings`).
 Programs are cached in memory by :class:`~tpudist.process_group.keys.ProgramKey`; :func:`cache_stats` makes the hit rate
 observable. Their XLA executables are also kept in tpudist's program cache
-(:func:`tpudist.program_cache.load_or_compile`), keyed by the program and its devices: a rank
+(:func:`tpudist.runtime.program_cache.load_or_compile`), keyed by the program and its devices: a rank
 loads what any rank of any run compiled (2-3 ms instead of a 100-220 ms compile).
 Every collective first runs its group's exchange of fixed-shape envelope rows
 (:mod:`~tpudist.process_group.envelope`): the ranks' fingerprints, and the data itself when it
@@ -74,7 +74,7 @@ class Executable:
     __slots__ = ("program",)
 
     def __init__(self, jitted: Callable[..., Any], mesh: Any = None, parts: tuple = ()):
-        from tpudist import program_cache
+        from tpudist.runtime import program_cache
 
         cached = mesh is not None and program_cache.default_cache() is not None
         self.program = _FirstCall(self, jitted, list(mesh.devices.flat), parts) if cached else jitted
@@ -98,7 +98,7 @@ class CachedProgram:
     __slots__ = ("program",)
 
     def __init__(self, jitted: Callable[..., Any], devices: list, parts: tuple):
-        from tpudist import program_cache
+        from tpudist.runtime import program_cache
 
         self.program = _FirstCall(self, jitted, devices, parts) if program_cache.default_cache() is not None else jitted
 
@@ -116,7 +116,7 @@ class _FirstCall:
         self.owner, self.jitted, self.devices, self.parts = owner, jitted, devices, parts
 
     def __call__(self, *args: Any) -> Any:
-        from tpudist import program_cache
+        from tpudist.runtime import program_cache
 
         compiled, _, loaded = program_cache.load_or_compile("collective", (*self.parts, _source_digest()),
                                                             self.jitted, args, self.devices)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
-from tpudist import _world
+from tpudist.runtime import chip
 from tpudist.process_group.checks import STUCK_GRACE_S
 
 _COORDINATOR_KEY = "tpudist/jax_coordinator"
@@ -236,7 +236,7 @@ def boot(store: Any, rank: int, world_size: int, timeout: timedelta, owner: obje
             topology = _check_tpu_chips(topology, chips, timeout)
         _runtime = Runtime(platform, rank, world_size, chips, topology, float(collective_timeout_s))
         _owner_id = id(owner)
-        _world.set_local_device(_runtime.local_device)
+        chip.set_local_device(_runtime.local_device)
         return _runtime
 
 
@@ -394,7 +394,7 @@ def abandon(owner: object) -> None:
     with _lock:
         if _runtime is not None and _owner_id == id(owner):
             _abandoned = True
-            _world.set_local_device(None)
+            chip.set_local_device(None)
 
 
 def _end_abandoned() -> None:
@@ -424,5 +424,5 @@ def _teardown() -> None:
         jax.clear_caches()
         jax.extend.backend.clear_backends()
         _runtime, _owner_id, _abandoned = None, None, False
-        _world.set_local_device(None)
+        chip.set_local_device(None)
         GLOO_LOOP.tid, GLOO_LOOP.is_idle = None, False  # the thread ended with the backend

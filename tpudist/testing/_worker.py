@@ -28,7 +28,7 @@ from multiprocessing.connection import Client
 # OpenBLAS starts one OS thread, which registers fork handlers), so forking afterwards is safe.
 # Not tpudist.device: importing it installs the device into torch, which a rank asks for itself.
 PRELOAD = ("torch", "torch.distributed", "jax", "jax.distributed", "tpudist.process_group.group",
-           "tpudist.mesh", "tpudist.program_cache", "tpudist.jax_cache")
+           "tpudist.mesh", "tpudist.runtime.program_cache", "tpudist.runtime.jax_cache")
 
 MAX_MESSAGE = 1 << 20  # a fork request is the rank's environment: a few kB
 STATUS = struct.Struct("i")  # what the server writes to a rank's status socket: its wait status

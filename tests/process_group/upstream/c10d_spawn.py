@@ -65,7 +65,7 @@ if SWAP:  # runs in the parent and in every spawned rank (they import this file)
 # (cheap once the rest is loaded), which also installs the swap.
 _PRELOAD = ["torch", "torch.distributed", "torch.profiler",
             "torch.testing._internal.distributed.distributed_test", "jax", "jax.distributed", "jax.extend",
-            "tpudist.process_group.group", "tpudist.mesh", "tpudist.program_cache", "tpudist.jax_cache"]
+            "tpudist.process_group.group", "tpudist.mesh", "tpudist.runtime.program_cache", "tpudist.runtime.jax_cache"]
 
 
 class _RankProcess(torch.multiprocessing.get_context("forkserver").Process):

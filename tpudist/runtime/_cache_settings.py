@@ -2,7 +2,7 @@
 
 ``TPUDIST_CACHE_DIR`` is the root (default ``~/.cache/tpudist``, ``$XDG_CACHE_HOME`` honoured; a
 path or an fsspec URL; ``0`` turns every cache off) and ``TPUDIST_CACHE_MAX_BYTES`` the size bound
-(default 8 GiB). ``tpudist.program_cache`` and ``tpudist.jax_cache`` both read them, so they live
+(default 8 GiB). ``tpudist.runtime.program_cache`` and ``tpudist.runtime.jax_cache`` both read them, so they live
 here, below both.
 """
 

@@ -1,7 +1,7 @@
 """Where tpudist's program cache keeps its bytes: a local folder, or any fsspec filesystem.
 
 Both storages offer the same few operations (``read``, ``write_atomic``, ``touch``, ``listing``,
-``remove``): :class:`tpudist.program_cache.ProgramCache` decides what to store, these only how. A
+``remove``): :class:`tpudist.runtime.program_cache.ProgramCache` decides what to store, these only how. A
 write goes to a temporary name in the same folder and is renamed into place, so concurrent writers
 race harmlessly and a reader never opens half a file.
 """
@@ -82,7 +82,7 @@ class Local:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             except OSError as e:
-                log.debug("tpudist.program_cache: cannot lock %s (%s); evicting unlocked", self.path, e)
+                log.debug("tpudist.runtime.program_cache: cannot lock %s (%s); evicting unlocked", self.path, e)
             yield
         finally:
             os.close(fd)  # closing releases the lock

@@ -14,7 +14,7 @@ executable names no device in its key and is loaded onto the caller's device, so
 every host shares one entry; one over several devices is keyed by their ids and serves every rank
 of its world (and of the next world with the same layout). Loading one takes 2-3 ms, where tracing
 and compiling a collective takes 0.1-0.2 s on CPU and a Fused step seconds. The Strict and Debug
-kernels are left to JAX's persistent compilation cache (``tpudist.jax_cache``), in the same root:
+kernels are left to JAX's persistent compilation cache (``tpudist.runtime.jax_cache``), in the same root:
 on XLA:CPU its key holds the device assignment and only JAX process 0 writes it, so there rank
 r > 0 of a multi-process world compiles them again (docs/cache.md).
 
@@ -33,7 +33,7 @@ is skipped with a :class:`CacheEntryWarning` and recomputed (then overwritten).
 
 Example::
 
-    from tpudist import program_cache
+    from tpudist.runtime import program_cache
 
     loaded = program_cache.load_or_export(
         "fused", (graph_key, shapes), lambda: jax.export.export(jitted)(*args))
@@ -55,8 +55,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-from tpudist._cache_settings import cache_root, max_bytes_from_env, parse_bytes  # noqa: F401 - parse_bytes: also offered here
-from tpudist._cache_storage import TMP_PREFIX, storage_for
+from tpudist.runtime._cache_settings import cache_root, max_bytes_from_env, parse_bytes  # noqa: F401 - parse_bytes: also offered here
+from tpudist.runtime._cache_storage import TMP_PREFIX, storage_for
 from tpudist._version import __version__
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class ProgramCache:
             raw = self._storage.read(name)
         except OSError as e:
             self._count("errors", key=key)
-            log.warning("tpudist.program_cache: cannot read %s (%s)", self.location(key), e)
+            log.warning("tpudist.runtime.program_cache: cannot read %s (%s)", self.location(key), e)
             raw = None
         if raw is None:
             self._count("misses", key=key)
@@ -173,14 +173,14 @@ class ProgramCache:
         refused (the caller has its program anyway: the cache is an optimisation)."""
         blob = _encode(data, meta or {})
         if len(blob) > self.max_bytes:
-            log.info("tpudist.program_cache: %s (%d bytes) exceeds the bound %d; not stored", key,
+            log.info("tpudist.runtime.program_cache: %s (%d bytes) exceeds the bound %d; not stored", key,
                      len(blob), self.max_bytes)
             return False
         try:
             self._storage.write_atomic(key + _SUFFIX, blob)
         except OSError as e:
             self._count("errors", key=key)
-            log.warning("tpudist.program_cache: cannot write %s (%s)", self.location(key), e)
+            log.warning("tpudist.runtime.program_cache: cannot write %s (%s)", self.location(key), e)
             return False
         self._count("writes", key=key)
         with self._lock:
@@ -203,7 +203,7 @@ class ProgramCache:
             listing = self._storage.listing()
         except OSError as e:
             self._count("errors")
-            log.warning("tpudist.program_cache: cannot list %s (%s)", self.root, e)
+            log.warning("tpudist.runtime.program_cache: cannot list %s (%s)", self.root, e)
             return 0
         now = time.time()
         entries, total = [], 0
@@ -375,7 +375,7 @@ def load_or_export(kind: str, key_parts: Any, export_fn: Callable[[], Any],
     except (NotImplementedError, ValueError) as e:
         if not _unexportable(e):
             raise
-        log.info("tpudist.program_cache: %s program not serializable, not cached (%s)", kind, str(e)[:200])
+        log.info("tpudist.runtime.program_cache: %s program not serializable, not cached (%s)", kind, str(e)[:200])
         return Loaded(None, {}, False)
     meta = meta_fn() if meta_fn else {}
     cache.put(key, bytes(exported.serialize()), meta)
@@ -465,7 +465,7 @@ def load_or_compile(kind: str, key_parts: Any, jitted: Any, args: tuple, devices
         try:
             payload, _, _ = serialize_executable.serialize(compiled)
         except (ValueError, NotImplementedError, TypeError) as e:
-            log.info("tpudist.program_cache: %s not serializable (%s)", key, e)
+            log.info("tpudist.runtime.program_cache: %s not serializable (%s)", key, e)
         else:
             cache.put(key, bytes(payload), {**meta, "out": out, "device_ids": [d.id for d in devices]})
     return compiled, meta, False

@@ -4,7 +4,7 @@ One root, ``$TPUDIST_CACHE_DIR`` (default ``~/.cache/tpudist``, ``$XDG_CACHE_HOM
 path, or with ``fsspec`` installed any fsspec URL, which every host of a pod may share.
 ``TPUDIST_CACHE_DIR=0`` turns every cache off. In it:
 
-- ``programs/``: tpudist's program cache (``tpudist.program_cache``): traced programs as
+- ``programs/``: tpudist's program cache (``tpudist.runtime.program_cache``): traced programs as
   ``jax.export`` modules and the XLA executables of collectives, compiled graphs, the device's Fused
   programs and host reads, and DTensor redistribute/SPMD programs, shared by every process and host
   that would build the same program (a single-device executable names no device: any rank loads it).
@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tpudist._cache_settings import cache_root, local_default, max_bytes_from_env
+from tpudist.runtime._cache_settings import cache_root, local_default, max_bytes_from_env
 
 _enabled: str | None = None
 
