@@ -16,7 +16,7 @@ imported, so the check takes well under a second):
   tpudist (``tpudist.device._storage``, ``tpudist.process_group.runtime._platform``) is that
   package's own: no module of another package imports it or reaches it as an attribute of a module
   it imported. The lower package offers a public name instead (``tpudist.device.interop``). The
-  shared pieces at the package root (``tpudist._hostmem``) belong to ``tpudist``, which holds every module.
+  shared pieces at the package root (``tpudist._switches``) belong to ``tpudist``, which holds every module.
 
 Run ``python tests/docs/test_import_graph.py`` to print every circle, upward and private import.
 """
@@ -239,7 +239,7 @@ def test_the_private_rule_on_examples():
     assert _private_to_another("tpudist.training.trainer", "tpudist.process_group.runtime._platform")
     assert _private_to_another("tpudist", "tpudist.kernels._helion_hook.route")
     assert not _private_to_another("tpudist.device._core", "tpudist.device._storage._ATTR")  # its own package
-    assert not _private_to_another("tpudist.device._core", "tpudist._hostmem")  # a shared piece at the root
+    assert not _private_to_another("tpudist.device._core", "tpudist._switches")  # a shared piece at the root
     assert _private_to_another("tpudist.device._fused", "tpudist.runtime._cache_settings")  # runtime's own
     assert not _private_to_another("tpudist.runtime.jax_cache", "tpudist.runtime._cache_settings")
     assert not _private_to_another("tpudist.compile.device_io", "tpudist.device.interop.buffer_of")

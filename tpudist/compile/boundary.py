@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpudist._hostmem import NUMPY as _NUMPY
-from tpudist._hostmem import Pointer as _Pointer
-from tpudist._hostmem import numpy_view
+from tpudist.bridge import NUMPY as _NUMPY
+from tpudist.bridge import Pointer as _Pointer
+from tpudist.bridge import host_copy, numpy_view
 
 # Zero-copy arrays by (address, shape, dtype, device): a jax.Array that aliases a tensor's memory
 # stays valid for whatever tensor of that layout occupies the address later (it holds no data of its
@@ -124,10 +124,9 @@ def to_torch(array: Any, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _copied(array: Any, dtype: torch.dtype) -> torch.Tensor:
-    """One copy of ``array`` through numpy (bfloat16 through its raw bits)."""
-    host = np.asarray(array)
-    raw_dtype = _NUMPY[dtype][0]
-    return torch.from_numpy(host.view(raw_dtype).copy()).view(dtype)
+    """One row-major copy of ``array`` on the host, as ``dtype`` (the result type the graph states)."""
+    t = host_copy(array)
+    return t if t.dtype == dtype else t.view(dtype)
 
 
 def drop_leading(t: torch.Tensor, n: int = 1) -> torch.Tensor:

@@ -56,7 +56,7 @@ def program_input(t: torch.Tensor, device, shaped: bool = False):
     import jax
     import numpy as np
 
-    from tpudist._hostmem import numpy_view
+    from tpudist.bridge import numpy_view
 
     host = np.array(numpy_view(t.detach())[0])
     return jax.device_put(host if shaped else host.reshape(-1), device)

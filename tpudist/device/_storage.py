@@ -23,6 +23,7 @@ import torch
 from jax._src import config as _jax_config
 
 import tpudist.ops as tops
+from tpudist import bridge
 from tpudist._switches import shaped_storage
 from tpudist.device import _fastpath, _hooks, _oom
 from tpudist.device import _runtime as rt
@@ -192,18 +193,13 @@ def stored(t: torch.Tensor):
 
 
 def to_torch(array) -> torch.Tensor:
+    """A row-major CPU tensor of its own with a device value's values (``tpudist.bridge.host_copy``); a
+    program it waited for that ran out of chip memory raises the device's out-of-memory error."""
     try:
-        host = np.asarray(array)
-    except jax.errors.JaxRuntimeError as e:  # a program it waited for ran out of memory
+        return bridge.host_copy(array)
+    except jax.errors.JaxRuntimeError as e:
         _oom.raise_if_oom(e, "reading a tpu tensor to the host", array.nbytes)
         raise
-    # copies are row-major: np.asarray keeps the dim order of the layout XLA picked for an N-d array on
-    # a TPU (a (3, 5, 8) float32 array as major_to_minor (1, 0, 2), strides (8, 24, 1))
-    if host.dtype == jnp.bfloat16:
-        return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
-    if not host.flags.writeable or not host.flags.c_contiguous:
-        host = np.array(host, order="C")
-    return torch.from_numpy(host)
 
 
 _READERS: dict = {}

@@ -4,7 +4,7 @@ Each kernel defines two ``torch.library`` custom ops, ``ns::op`` and ``ns::op_ba
 
 - CPU tensors run the function through ``jax.jit`` (one jitted program per input shapes, dtypes,
   static arguments and torch's float32 matmul precision, which its dots and convolutions without a
-  precision of their own take: ``tpudist.matmul_precision``), crossing the boundary without copies (``boundary``).
+  precision of their own take: ``tpudist.matmul_precision``), crossing into JAX and back without copies (``tpudist.bridge``).
 - The fake (meta) kernel comes from ``jax.eval_shape``, so ``torch.compile`` (inductor,
   ``fullgraph=True``) keeps the op opaque and ``opcheck`` passes.
 - Autograd calls ``ns::op_backward``: ``jax.vjp`` of the function, of a pure-JAX ``reference=``, or a
@@ -21,11 +21,13 @@ import re
 import threading
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
-from tpudist.kernels import boundary
+from tpudist import bridge
 from tpudist.kernels.errors import KernelGradientError, KernelInputError, describe
 from tpudist.kernels.shard_spec import ShardDims
+from tpudist.kernels.tpu_blocks import pallas_interpret_unless_tpu
 
 _SCHEMA_TYPES = {float: "float", int: "int", bool: "bool", str: "str"}
 _SCHEMA_NAMES = {"float": "float", "int": "int", "bool": "bool", "str": "str"}
@@ -150,7 +152,7 @@ class JaxKernel:
                 out.append(None)
                 continue
             try:
-                dtype = boundary.numpy_dtype_of(t.dtype)
+                dtype = np.dtype(bridge.to_jax_dtype(t.dtype))
             except TypeError as e:
                 raise self.input_error(tensors, statics or {}, str(e)) from None
             out.append(jax.ShapeDtypeStruct(tuple(int(n) for n in t.shape), dtype))
@@ -189,7 +191,7 @@ class JaxKernel:
             if expects:
                 raise self.input_error(tensors, statics, expects)
         try:
-            with boundary.x64_scope(boundary.needs_x64([t.dtype for t in tensors if t is not None])):
+            with bridge.x64_scope(bridge.needs_x64([t.dtype for t in tensors if t is not None])):
                 result = jax.eval_shape(self.traced(statics), *avals)
         except (TypeError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -206,7 +208,7 @@ class JaxKernel:
         fn = self.fn
 
         def kernel(*arrays):
-            with boundary.pallas_interpret_unless_tpu():
+            with pallas_interpret_unless_tpu():
                 return fn(*arrays, **statics)
 
         kernel.__name__ = kernel.__qualname__ = self.name.replace("::", "_")
@@ -222,7 +224,7 @@ class JaxKernel:
         def kernel_backward(*arrays):
             xs, gs = arrays[:n], arrays[n:]
             cotangent = gs[0] if self.num_outputs == 1 else tuple(gs)
-            with boundary.pallas_interpret_unless_tpu():
+            with pallas_interpret_unless_tpu():
                 if self.user_backward is not None:
                     grads = self.user_backward(*xs, cotangent, **statics)
                     grads = (grads,) if n == 1 and not isinstance(grads, (tuple, list)) else tuple(grads)
@@ -305,12 +307,13 @@ class JaxKernel:
 
         enable_persistent_cache()  # once per process; `python -m tpudist warmup` fills it ahead of time
         jitted = jax.jit(traced)
-        x64 = boundary.needs_x64(dtypes)
-        host_view, to_torch, scope = boundary.host_view, boundary.to_torch, boundary.x64_scope
+        x64 = bridge.needs_x64(dtypes)
+        numpy_view, to_torch, scope = bridge.numpy_view, bridge.torch_view, bridge.x64_scope
 
         def run(tensors):
             with scope(x64), precision.scope(precision.current()):  # jax.jit keys its programs by both
-                out = jitted(*[host_view(t) for t in tensors])
+                # CPU tensors in without a copy (XLA:CPU reads the host buffer in place)
+                out = jitted(*[None if t is None else numpy_view(t)[0] for t in tensors])
             return to_torch(out) if single else tuple(to_torch(o) for o in out)
 
         run.jitted = jitted
@@ -379,7 +382,7 @@ class JaxKernel:
         dtypes = [t.dtype for t in tensors if t is not None]
         key = (tuple(None if t is None else (t.shape, t.dtype) for t in tensors), tuple(statics.values()))
         run = self._runners.get(key) or self._runner(key, self.traced(statics), dtypes, self.num_outputs == 1)
-        with boundary.x64_scope(boundary.needs_x64(dtypes)), precision.scope(precision.current()):
+        with bridge.x64_scope(bridge.needs_x64(dtypes)), precision.scope(precision.current()):
             run.jitted.lower(*avals).compile()
         if not backward:
             return 1
@@ -394,7 +397,7 @@ class JaxKernel:
                                                      [t.dtype for t in arrays if t is not None],
                                                      len(self.tensor_names) == 1)
         grad_avals = [jax.ShapeDtypeStruct(shape, to_jax_dtype(dtype)) for shape, dtype in outs]
-        with (boundary.x64_scope(boundary.needs_x64([t.dtype for t in arrays if t is not None])),
+        with (bridge.x64_scope(bridge.needs_x64([t.dtype for t in arrays if t is not None])),
               precision.scope(precision.current())):
             run.jitted.lower(*avals, *grad_avals).compile()
         return 2

@@ -12,7 +12,7 @@ Random lowerings draw keys from the caller's ``keys(KeySource(key))`` (see ``rng
 """
 
 from tpudist.ops import lowerings as _lowerings  # noqa: F401  (registers the table)
-from tpudist.ops.dtypes import to_jax_dtype, to_torch_dtype
+from tpudist.bridge import to_jax_dtype, to_torch_dtype
 from tpudist.ops.interpret import JaxMode, JaxValue, UnsupportedOp, call, decomposition_for, expected_outputs
 from tpudist.ops.registry import (contiguous_input, functional_of, lowered_ops, lowering_for, lowers, lowers_named,
                                   reads_contiguity, shapes_from_lowering, uses_lowering_shapes)

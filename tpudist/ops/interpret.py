@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tpudist import _hostmem
+from tpudist import bridge
 from tpudist.ops import accuracy
-from tpudist.ops.dtypes import to_jax_dtype, to_torch_dtype
+from tpudist.bridge import to_jax_dtype, to_torch_dtype
 from tpudist.ops.registry import lowering_for, reads_contiguity, uses_lowering_shapes
 
 aten = torch.ops.aten
@@ -230,7 +230,7 @@ def _unwrap(x):
     if isinstance(x, torch.Tensor):
         # A constant the decomposition made outside the mode (e.g. a cached CPU tensor); numpy_view
         # takes bfloat16 (as ml_dtypes'), which Tensor.numpy() refuses.
-        return jnp.asarray(_hostmem.numpy_view(x.detach().cpu())[0])
+        return jnp.asarray(bridge.numpy_view(x.detach().cpu())[0])
     return x
 
 

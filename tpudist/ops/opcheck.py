@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from tpudist import matmul_precision
-from tpudist._hostmem import host_copy
+from tpudist.bridge import host_copy
 from tpudist.ops import registry
-from tpudist.ops.dtypes import to_torch_dtype
+from tpudist.bridge import to_torch_dtype
 from tpudist.ops.interpret import JaxMode, JaxValue
 from tpudist.ops.rng import KeySource, keys
 

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tpudist._hostmem import host_copy
+from tpudist import bridge
 from tpudist.sharding.layout import (JaxLayout, LayoutError, default_axis_names, is_even,
                                      padded_length, padded_positions, to_layout, to_placements)
 
@@ -72,39 +72,15 @@ def layout_of(dtensor: DTensor) -> JaxLayout:
     return to_layout(dtensor.placements, mesh_axis_names(mesh), dtensor.ndim, tuple(mesh.mesh.shape))
 
 
-# -- torch <-> numpy views --------------------------------------------------------------------------
-def _numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of ``t`` (contiguous first); bfloat16 through an int16 view (numpy has none)."""
-    t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
+# -- torch <-> numpy views: tpudist.bridge's ----------------------------------------------------------
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    """The numpy dtype :func:`to_jax` gives a torch dtype."""
-    return _numpy_view(torch.empty(0, dtype=dtype)).dtype
-
-
-def _needs_x64(dtype: torch.dtype) -> bool:
-    return dtype.itemsize == 8 or dtype == torch.complex128
+    """The numpy dtype a DTensor's local shard of ``dtype`` enters JAX as."""
+    return np.dtype(bridge.NUMPY[dtype][1])
 
 
 def x64(dtype: torch.dtype):
     """JAX truncates 64-bit types unless x64 is on for the call (FACTS.md); else leave it as it is."""
-    import contextlib
-
-    import jax
-
-    return jax.enable_x64(True) if _needs_x64(dtype) else contextlib.nullcontext()
-
-
-def torch_view(block: Any) -> torch.Tensor:
-    """A torch tensor of a single-device ``jax.Array``: a view of a CPU array (DLPack, no copy), a
-    row-major host copy of an accelerator's (JAX hands DLPack out for CPU and GPU arrays only)."""
-    return torch.from_dlpack(block) if block.device.platform == "cpu" else host_copy(block)
+    return bridge.x64_scope(bridge.needs_x64((dtype,)))
 
 
 # -- blocks: padded, partial-stacked global arrays used inside tpudist's programs -------------------
@@ -177,7 +153,7 @@ def to_block(dtensor: DTensor, spec: BlockSpec) -> Any:
             pad += [0, target - have]
         local = torch.nn.functional.pad(local, pad) if local.numel() else local.new_zeros(
             want[len(spec.layout.partial_axes):])
-    host = _numpy_view(local).reshape(want)
+    host = bridge.numpy_view(local)[0].reshape(want)
     mesh = jax_mesh(dtensor.device_mesh)
     with x64(dtensor.dtype):
         shard = jax.device_put(host, runtime.current().local_device)
@@ -190,7 +166,7 @@ def from_block(array: Any, spec: BlockSpec, device_mesh: DeviceMesh,
     """The DTensor whose local shard is this process's block of ``array`` (padding cut off)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    local = torch_view(array.addressable_data(0))
+    local = bridge.torch_view(array.addressable_data(0))
     local = local.reshape(local.shape[len(spec.layout.partial_axes):])
     if not spec.even:
         true_shape, _ = compute_local_shape_and_global_offset(spec.shape, device_mesh, placements)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
+from tpudist import bridge
 from tpudist.sharding import arrays
 from tpudist.sharding.arrays import BlockSpec, pad, reduce_partial, unpad
 from tpudist.sharding.layout import LayoutError
@@ -194,13 +195,13 @@ def _run_mpmd(fn, out_placements, treedef, leaves, tensor_at, device_mesh) -> An
     device = runtime.current().local_device
     with arrays.x64(_widest([leaves[i] for i in tensor_at])):
         for i, full in zip(tensor_at, fulls):
-            values[i] = jax.device_put(arrays._numpy_view(full), device)  # noqa: SLF001
+            values[i] = jax.device_put(bridge.numpy_view(full)[0], device)
         args, kwargs = jax.tree_util.tree_unflatten(treedef, values)
         outs = jax.jit(fn)(*args, **kwargs)
         out_leaves, out_tree = jax.tree_util.tree_flatten(outs)
         results = []
         for o in out_leaves:
-            full = arrays.torch_view(o)
+            full = bridge.torch_view(o)
             placements = out_placements or (Replicate(),) * device_mesh.ndim
             shape, offset = compute_local_shape_and_global_offset(full.shape, device_mesh, placements)
             local = full[tuple(slice(o_, o_ + n) for o_, n in zip(offset, shape))]

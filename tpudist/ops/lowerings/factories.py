@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tpudist._hostmem import numpy_view
-from tpudist.ops.dtypes import to_jax_dtype
+from tpudist.bridge import numpy_view
+from tpudist.bridge import to_jax_dtype
 from tpudist.ops.lowerings._util import is_array, is_low_precision, rounding_to
 from tpudist.ops.registry import lowers, shapes_from_lowering
 

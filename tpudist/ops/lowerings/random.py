@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from tpudist.ops.dtypes import to_jax_dtype
+from tpudist.bridge import to_jax_dtype
 from tpudist.ops.lowerings._util import is_array, is_zero, upcast
 from tpudist.ops.registry import lowers
 from tpudist.ops.rng import next_key

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from tpudist.ops.dtypes import to_jax_dtype
+from tpudist.bridge import to_jax_dtype
 from tpudist.ops.lowerings._util import dim_of, dims_of, is_float, is_integral, to_float, upcast
 from tpudist.ops.registry import lowers
 

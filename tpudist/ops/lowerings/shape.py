@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tpudist.ops.dtypes import to_jax_dtype
+from tpudist.bridge import to_jax_dtype
 from tpudist.ops.lowerings._util import dim_of
 from tpudist.ops.registry import lowers
 
