@@ -317,3 +317,17 @@ def test_eager_modes_are_asked_what_they_do_not_compared_as_strings():
              for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, "an eager mode compared as a string; ask it (records, checks):\n" + "\n".join(found)
     assert pattern.search('if rt.get_mode() == "fused":') and pattern.search('if mode != "debug" and x:')
+
+
+def test_the_cpu_or_device_choice_is_made_in_one_place():
+    """Issue 55: whether a c10d call runs on the host or goes to device_collectives (a tpu tensor
+    among its arguments) is decided once, by group.py's router over ``DEVICE_PATHS``; the c10d
+    methods hold the host path only."""
+    pattern = re.compile(r"(?<!\w)(?:dc\.|device_collectives\.)?on_device\(")
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for path in sorted((PACKAGE / "process_group").rglob("*.py")) if path.name != "device_collectives.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert len(found) == 1 and found[0].startswith("tpudist/process_group/group.py:"), (
+        "the tpu-or-cpu check of a c10d call belongs in group.py's router only (name the method in "
+        "DEVICE_PATHS):\n" + "\n".join(found))
+    assert pattern.search("if dc.on_device(tensors):") and not pattern.search("_on_device(t)")

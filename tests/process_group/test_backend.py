@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import textwrap
+import types
 
 import pytest
+import torch
 
 import rank_fns
 from tpudist.testing import RankError, RankPool, run_command, run_ranks, torchrun_command
@@ -169,3 +171,28 @@ def test_split_group_works_where_torchs_refuses_cpu_backends():
             "split_group: split_ranks[0]=[0, 0] lists a rank twice",
             "split_group: split_ranks[0] is empty; every split needs a rank",
         ]
+
+
+def test_a_call_with_a_tpu_tensor_reaches_device_collectives_with_its_options(monkeypatch):
+    """group.py's router, the one place that picks the device path: the device function gets the
+    channel, the call's arguments in order and default options where the call gave none (omitted or
+    by keyword); a call without a tpu tensor reaches the method (the host path) untouched."""
+    import torch.distributed as dist
+
+    from tpudist.process_group import group
+
+    tpu, cpu = torch.zeros(1), torch.zeros(1)  # tpu stands in for a tpu tensor: dc.on_device is the check
+    monkeypatch.setattr(group.dc, "on_device", lambda *args: any(t is tpu for a in args if isinstance(a, list)
+                                                                 for t in a))
+    got = []
+    routed = group._route(lambda self, tensors, opts=None: ("host", tensors, opts),
+                          lambda channel, *args: got.append((channel, *args)) or "device", dist.BroadcastOptions)
+    owner = types.SimpleNamespace(channel="channel")
+    opts = dist.BroadcastOptions()
+    host = routed(owner, [cpu])
+    assert host[0] == "host" and host[1][0] is cpu and host[2] is None
+    assert routed(owner, [cpu], opts)[2] is opts
+    assert [routed(owner, [tpu], opts), routed(owner, [tpu]), routed(owner, tensors=[tpu])] == ["device"] * 3
+    assert [(channel, tensors[0] is tpu) for channel, tensors, _ in got] == [("channel", True)] * 3
+    assert got[0][2] is opts and all(type(g[2]) is dist.BroadcastOptions and g[2] is not opts for g in got[1:])
+    assert set(group.DEVICE_PATHS) <= set(vars(group.ProcessGroupTPU))

@@ -3,10 +3,11 @@
 Registered automatically on ``import torch`` (a ``torch.backends`` entry point), so user code only
 calls ``torch.distributed.init_process_group("tpu")``. Importing this package does not import JAX.
 
-Inside: ``group`` is the c10d class torch calls; each group's ``channel`` (store, timeout, members,
-``run_program``, ``submit``) is what the helpers take (``movement``, ``device_collectives``, ``p2p``,
-``small``, ``sparse``, ``debug``, ``monitor``); ``keys`` (``ProgramKey``) <- ``envelope``,
-``lowerings`` <- ``programs`` build and cache the XLA programs.
+Inside: ``group`` is the c10d class torch calls, whose methods are the host path (its
+``DEVICE_PATHS`` sends a call on tpu tensors to ``device_collectives``); each group's ``channel``
+(store, timeout, members, ``run_program``, ``submit``) is what the helpers take (``movement``,
+``device_collectives``, ``p2p``, ``small``, ``sparse``, ``debug``, ``monitor``); ``keys``
+(``ProgramKey``) <- ``envelope``, ``lowerings`` <- ``programs`` build and cache the XLA programs.
 """
 
 from tpudist.process_group._autoload import ALIAS_NAME, BACKEND_NAME, register

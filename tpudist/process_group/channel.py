@@ -3,9 +3,9 @@
 :class:`~tpudist.process_group.group.ProcessGroupTPU` answers torch (its methods are c10d's); its
 :class:`Channel` holds the rest: the store, the timeout, the group's members, name and code, and the
 per-call plumbing every collective shares (the program key, the reduce op's name, ``run_program``
-with its fingerprint check and c10d-style errors, ``submit`` to the comm stream). The helpers
-(``movement``, ``device_collectives``, ``p2p``, ``small``, ``sparse``, ``debug``, ``monitor``,
-``lifecycle``) take the channel, never the group's private members.
+with its fingerprint check and c10d-style errors, ``submit`` to the comm stream, ``post`` of a
+send or recv). The helpers (``movement``, ``device_collectives``, ``p2p``, ``small``, ``sparse``,
+``debug``, ``monitor``, ``lifecycle``) take the channel, never the group's private members.
 """
 
 from __future__ import annotations
@@ -166,6 +166,11 @@ class Channel:
             # timeout. XLA cannot cancel the call: it ends at XLA's timeout (lifecycle.py).
             async_op = True
         return STREAM.submit(work, task, async_op=async_op)
+
+    def post(self, kind: str, t: torch.Tensor, peer: int | None, tag: int) -> Work:
+        """Queues a send or recv of ``t`` (a cpu or a tpu tensor) with group rank ``peer`` (None:
+        a recv from any source), to be paired and run by p2p.py."""
+        return P2P.post(self, kind, t, peer, tag)
 
     # -- failures ---------------------------------------------------------------------------------
     def failure(self, op: str, device_set: tuple[int, ...], seq: int, e: Exception) -> CollectiveError:

@@ -1,10 +1,11 @@
 """The c10d entry points of :class:`~tpudist.process_group.group.ProcessGroupTPU` for "tpu" tensors.
 
-Each method of the group hands its call here when a tensor argument lives on the tpu device
-(:func:`on_device`). A function checks the call as the CPU path does, describes it as a
-:class:`~tpudist.process_group.device_arrays.Plan` (which views are read, how they make the block,
-where the result goes) and submits it through the group's channel (``submit``/``run_program``), so
-ordering, fingerprints, timeouts and errors are the CPU path's. Blocks hold elements of the
+group.py's ``DEVICE_PATHS`` hands a c10d method's call here when a tensor argument lives on the
+tpu device (:func:`on_device`), the one place that choice is made. A function checks the call as the
+CPU path does, describes it as a :class:`~tpudist.process_group.device_arrays.Plan` (which views
+are read, how they make the block, where the result goes) and submits it through the group's
+channel (``submit``/``run_program``, ``post`` for a send or recv), so ordering, fingerprints,
+timeouts and errors are the CPU path's. Blocks hold elements of the
 tensors' dtype (the CPU path moves raw bytes for data-moving ops; XLA's data movement keeps every
 bit either way).
 """
@@ -322,9 +323,18 @@ def _all_to_all_ragged(pg: Any, op: str, inputs: list, outputs: list, async_op: 
     return pg.enqueue(work, task, async_op)
 
 
-# -- point to point: posted, paired and run as 2-device programs by p2p.py ------------------------------
+# -- point to point: posted, paired and run as 2-device programs by p2p.py, with no host copy -----------
 
 
-def one_on_device(op: str, tensors: list) -> torch.Tensor:
-    """The one tensor of a send or recv of tpu tensors."""
-    return _one(op, tensors)
+def send(pg: Any, tensors: list, dst_rank: int, tag: int = 0) -> Work:
+    t = _one("send", tensors)
+    return pg.post("send", t, pg.check_rank("send", "dst", dst_rank), tag)
+
+
+def recv(pg: Any, tensors: list, src_rank: int, tag: int = 0) -> Work:
+    t = _one("recv", tensors)
+    return pg.post("recv", t, pg.check_rank("recv", "src", src_rank), tag)
+
+
+def recv_anysource(pg: Any, tensors: list, tag: int = 0) -> Work:
+    return pg.post("recv", _one("recv", tensors), None, tag)

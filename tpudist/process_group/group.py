@@ -4,6 +4,8 @@ exchange, then the op's data program where its data does not fit the envelope (p
 torch calls the methods below (their names and argument shapes are c10d's); each validates its
 input, builds a :class:`~tpudist.process_group.keys.ProgramKey` and a host block, and submits
 the program to the process's comm stream. Results are written back into the caller's tensors.
+The methods hold the host path only: ``DEVICE_PATHS`` sends a call whose tensors live on the tpu
+device to ``device_collectives`` instead, one check per call for every method.
 Synchronous all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast and even
 all_to_all_single calls on contiguous CPU tensors take flat paths (``_flat_all_reduce``,
 ``_flat_all_gather``, ``_flat_reduce_scatter``, ``_flat_broadcast``, ``_flat_all_to_all``): the
@@ -12,13 +14,17 @@ same programs and errors, run on the caller's thread without the closures and qu
 
 from __future__ import annotations
 
+import functools
 import gc
+import inspect
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from tpudist.process_group import debug, envelope, programs, runtime, small
 from tpudist.process_group import device_arrays
@@ -35,6 +41,55 @@ from tpudist.process_group.work import STREAM, Work
 BACKEND_NAME = "tpu"
 _CONNECT_S = 30  # XLA's key-value timeout for connecting a device set's gloo context
 
+# Method of ProcessGroupTPU (the host path) -> the function of device_collectives that serves its
+# calls on tpu tensors, and the c10d options type it takes (None: no options). A c10d method with a
+# flat path (CPU tensors only) tries that first and its row names the method it falls back to: the
+# flat path, the hot one, pays nothing for the device check.
+DEVICE_PATHS: dict[str, tuple[Callable[..., Any], type | None]] = {
+    "_all_reduce": (dc.all_reduce, dist.AllreduceOptions),
+    "reduce": (dc.reduce, dist.ReduceOptions),
+    "allreduce_coalesced": (dc.all_reduce_coalesced, dist.AllreduceCoalescedOptions),
+    "reduce_scatter": (dc.reduce_scatter, dist.ReduceScatterOptions),
+    "_reduce_scatter_tensors": (dc.reduce_scatter_tensors, dist.ReduceScatterOptions),
+    "allgather": (dc.all_gather, c10d.AllgatherOptions),
+    "_all_gather_tensors": (dc.all_gather_tensors, c10d.AllgatherOptions),
+    "allgather_coalesced": (dc.all_gather_coalesced, c10d.AllgatherOptions),
+    "gather": (dc.gather, dist.GatherOptions),
+    "_broadcast": (dc.broadcast, dist.BroadcastOptions),
+    "scatter": (dc.scatter, dist.ScatterOptions),
+    "_all_to_all_single": (dc.all_to_all_single, dist.AllToAllOptions),
+    "alltoall": (dc.all_to_all, dist.AllToAllOptions),
+    "send": (dc.send, None),
+    "recv": (dc.recv, None),
+    "recv_anysource": (dc.recv_anysource, None),
+}
+
+
+def _route(host: Callable[..., Any], device: Callable[..., Any], options: type | None) -> Callable[..., Any]:
+    """``host`` as torch calls it, except that a call with a tpu tensor among its arguments runs
+    ``device`` with the group's channel and the call's arguments in order, its options
+    ``options()`` where it gave none (as ``host`` would)."""
+    signature = inspect.signature(host)
+
+    @functools.wraps(host)
+    def method(self, *args, **kwargs):
+        if not dc.on_device(*args, *kwargs.values()):
+            return host(self, *args, **kwargs)
+        call = signature.bind(self, *args, **kwargs)
+        call.apply_defaults()
+        if options is not None:
+            call.arguments["opts"] = call.arguments["opts"] or options()
+        return device(self.channel, *call.args[1:])
+
+    return method
+
+
+def _routed(cls: type) -> type:
+    """``cls`` with each method named in ``DEVICE_PATHS`` routed by the device of its call's tensors."""
+    for name, (device, options) in DEVICE_PATHS.items():
+        setattr(cls, name, _route(getattr(cls, name), device, options))
+    return cls
+
 
 def create_process_group(opts: Any, backend_options: Any) -> "ProcessGroupTPU":
     """The creator torch calls (``extended_api=True``) on every member of a new group."""
@@ -42,6 +97,7 @@ def create_process_group(opts: Any, backend_options: Any) -> "ProcessGroupTPU":
     return ProcessGroupTPU(opts.store, opts.group_rank, opts.group_size, opts.timeout, global_ranks)
 
 
+@_routed
 class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
     """A c10d process group whose collectives are XLA collectives over its members' devices."""
 
@@ -128,9 +184,10 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
             work = self._flat_all_reduce(tensors[0], opts)
             if work is not None:
                 return work
+        return self._all_reduce(tensors, opts)
+
+    def _all_reduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
-        if dc.on_device(tensors):
-            return dc.all_reduce(self.channel, tensors, opts)
         if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor) and tensors[0].is_sparse:
             from tpudist.process_group import sparse
 
@@ -205,8 +262,6 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
-        if dc.on_device(tensors):
-            return dc.reduce(self.channel, tensors, opts)
         root = self.channel.check_rank("reduce", "dst", opts.rootRank)
         return self._reduce_into("reduce", self._one("reduce", tensors), opts.reduceOp, root=root,
                                  async_op=opts.asyncOp)
@@ -230,8 +285,6 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()
-        if dc.on_device(tensors):
-            return dc.all_reduce_coalesced(self.channel, tensors, opts)
         tensors = [check_device("all_reduce_coalesced", t) for t in tensors]
         check_same_dtype("all_reduce_coalesced", tensors)
         check_outputs("all_reduce_coalesced", "tensors", tensors, disjoint=False)  # same data: may alias
@@ -251,8 +304,6 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        if dc.on_device(output_tensors, input_tensors):
-            return dc.reduce_scatter(self.channel, output_tensors, input_tensors, opts)
         out = self._one("reduce_scatter", output_tensors)
         chunks = self._per_rank("reduce_scatter", input_tensors, "input")
         check_same_dtype("reduce_scatter", [out, *chunks])
@@ -267,14 +318,17 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        op = "reduce_scatter_tensor"
         if opts is not None and len(outputs) == 1 == len(inputs) and not opts.asyncOp:
             work = self._flat_reduce_scatter(outputs[0], inputs[0], opts)
             if work is not None:
                 return work
+        return self._reduce_scatter_tensors(outputs, inputs, opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _reduce_scatter_tensors(self, outputs, inputs, opts=None):
+        op = "reduce_scatter_tensor"
         opts = opts or dist.ReduceScatterOptions()
-        if dc.on_device(outputs, inputs):
-            return dc.reduce_scatter_tensors(self.channel, outputs, inputs, opts)
         outputs = [check_device(op, t) for t in outputs]
         inputs = [check_device(op, t) for t in inputs]
         check_same_dtype(op, [*outputs, *inputs])
@@ -285,8 +339,6 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         blocks = [tz.as_numeric(t).reshape(n, -1) for t in inputs]
         block = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)  # one: no copy
         return self._reduce_scatter_block(op, block, outputs, opts)
-
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def _flat_reduce_scatter(self, out: Any, inp: Any, opts: Any) -> Work | None:
         """A synchronous reduce_scatter_tensor (FSDP2's gradient reduction) without the general
@@ -315,20 +367,16 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
 
     # -- point to point: a 2-device ppermute, both sides dispatching the same program -------------
     def send(self, tensors, dst_rank, tag=0):
-        t = self._p2p_one("send", tensors)
-        return P2P.post(self.channel, "send", t, self.channel.check_rank("send", "dst", dst_rank), tag)
+        t = self._one("send", tensors)
+        return self.channel.post("send", t, self.channel.check_rank("send", "dst", dst_rank), tag)
 
     def recv(self, tensors, src_rank, tag=0):
-        t = self._p2p_one("recv", tensors)
-        return P2P.post(self.channel, "recv", t, self.channel.check_rank("recv", "src", src_rank), tag)
+        t = self._one("recv", tensors)
+        return self.channel.post("recv", t, self.channel.check_rank("recv", "src", src_rank), tag)
 
     def recv_anysource(self, tensors, tag=0):
         # Paired with a sender through the store first, then an ordinary transfer (p2p.py).
-        return P2P.post(self.channel, "recv", self._p2p_one("recv", tensors), None, tag)
-
-    def _p2p_one(self, op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The one tensor of a send or recv; p2p.py moves a tpu tensor's storage with no host copy."""
-        return dc.one_on_device(op, tensors) if dc.on_device(tensors) else self._one(op, tensors)
+        return self.channel.post("recv", self._one("recv", tensors), None, tag)
 
     # -- synchronisation --------------------------------------------------------------------------
     def barrier(self, opts=None):

@@ -3,7 +3,8 @@
 all_gather (list, tensor and coalesced forms), gather, broadcast, scatter and all_to_all (even,
 uneven and list forms) move raw bytes: bit-exact for every dtype, and one program serves every
 dtype of a size. A mixin, so the c10d class keeps one method per c10d entry point while each file
-holds one kind of collective.
+holds one kind of collective. The methods are the host path: group.py's ``DEVICE_PATHS`` sends calls
+on tpu tensors to ``device_collectives``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from tpudist.process_group import device_collectives as dc
 from tpudist.process_group import tensors as tz
 from tpudist.process_group.checks import (check_all_to_all_lists, check_device, check_even_all_to_all, check_numel,
                                           check_output, check_outputs, check_same_dtype, split_all_to_all)
@@ -29,8 +29,6 @@ class DataMovement:
     # -- data movement (raw bytes) ----------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts or c10d.AllgatherOptions()
-        if dc.on_device(output_tensors, input_tensors):
-            return dc.all_gather(self.channel, output_tensors, input_tensors, opts)
         inp = self._one("all_gather", input_tensors)
         outs = self._per_rank("all_gather", output_tensors, "output")
         check_same_dtype("all_gather", [inp, *outs])
@@ -43,14 +41,17 @@ class DataMovement:
         return self.all_gather_single_coalesced([output], [input], opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        op = "all_gather_into_tensor"
         if opts is not None and len(outputs) == 1 == len(inputs) and not opts.asyncOp:
             work = self._flat_all_gather(outputs[0], inputs[0])
             if work is not None:
                 return work
+        return self._all_gather_tensors(outputs, inputs, opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _all_gather_tensors(self, outputs, inputs, opts=None):
+        op = "all_gather_into_tensor"
         opts = opts or c10d.AllgatherOptions()
-        if dc.on_device(outputs, inputs):
-            return dc.all_gather_tensors(self.channel, outputs, inputs, opts)
         outputs = [check_device(op, t) for t in outputs]
         inputs = [check_device(op, t) for t in inputs]
         for out, inp in zip(outputs, inputs, strict=True):
@@ -71,8 +72,6 @@ class DataMovement:
                         o.copy_(s)
         return work
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
-
     def _flat_all_gather(self, out: Any, inp: Any) -> Work | None:
         """A synchronous all_gather_into_tensor (FSDP2's unshard) without the general path's
         per-call machinery: the key, program and errors of ``_gather_bytes`` for one even input.
@@ -90,8 +89,6 @@ class DataMovement:
         each holding a slot for every input)."""
         op = "all_gather_coalesced"
         opts = opts or c10d.AllgatherOptions()
-        if dc.on_device(output_lists, input_list):
-            return dc.all_gather_coalesced(self.channel, output_lists, input_list, opts)
         inputs = [check_device(op, t) for t in input_list]
         lengths = [len(row) for row in output_lists]
         if len(output_lists) != self.size() or any(n != len(inputs) for n in lengths):
@@ -140,8 +137,6 @@ class DataMovement:
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
-        if dc.on_device(output_tensors, input_tensors):
-            return dc.gather(self.channel, output_tensors, input_tensors, opts)
         root = self.channel.check_rank("gather", "dst", opts.rootRank)
         inp = self._one("gather", input_tensors)
         if self.rank() == root:
@@ -159,9 +154,10 @@ class DataMovement:
             work = self._flat_broadcast(tensors[0], opts.rootRank)
             if work is not None:
                 return work
+        return self._broadcast(tensors, opts)
+
+    def _broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
-        if dc.on_device(tensors):
-            return dc.broadcast(self.channel, tensors, opts)
         root = self.channel.check_rank("broadcast", "src", opts.rootRank)
         t = self._one("broadcast", tensors)
         check_output("broadcast", "tensor", t)
@@ -188,8 +184,6 @@ class DataMovement:
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ScatterOptions()
-        if dc.on_device(output_tensors, input_tensors):
-            return dc.scatter(self.channel, output_tensors, input_tensors, opts)
         root = self.channel.check_rank("scatter", "src", opts.rootRank)
         out = self._one("scatter", output_tensors)
         check_output("scatter", "output", out)
@@ -216,14 +210,15 @@ class DataMovement:
         return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        op, n = "all_to_all_single", self.size()
         if opts is not None and not opts.asyncOp and not output_split_sizes and not input_split_sizes:
             work = self._flat_all_to_all(output, input)
             if work is not None:
                 return work
+        return self._all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def _all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        op, n = "all_to_all_single", self.size()
         opts = opts or dist.AllToAllOptions()
-        if dc.on_device(output, input):
-            return dc.all_to_all_single(self.channel, output, input, output_split_sizes, input_split_sizes, opts)
         output, input = check_device(op, output), check_device(op, input)
         check_same_dtype(op, [output, input])
         check_output(op, "output", output)  # may be the input itself: inputs are read first
@@ -257,8 +252,6 @@ class DataMovement:
     def alltoall(self, output_tensors, input_tensors, opts=None):
         op, n = "all_to_all", self.size()
         opts = opts or dist.AllToAllOptions()
-        if dc.on_device(output_tensors, input_tensors):
-            return dc.all_to_all(self.channel, output_tensors, input_tensors, opts)
         check_all_to_all_lists(op, n, output_tensors, input_tensors)
         inputs = [check_device(op, t) for t in input_tensors]
         outputs = [check_device(op, t) for t in output_tensors]
