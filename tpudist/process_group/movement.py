@@ -23,8 +23,8 @@ from tpudist.process_group.work import Work
 
 
 class DataMovement:
-    """Mixed into ProcessGroupTPU: uses its ``_submit``, ``_enqueue``, ``_run_program``, ``_key``,
-    ``_one``, ``_per_rank``, ``_check_rank``, ``_flat_ready`` and ``_flat``."""
+    """Mixed into ProcessGroupTPU: uses its ``channel`` (keys, ranks, ``submit``), ``rank``, ``size``,
+    ``_one``, ``_per_rank``, ``_flat_ready`` and ``_flat``."""
 
     # -- data movement (raw bytes) ----------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
