@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
-from tpudist.runtime import chip
 from tpudist.process_group.checks import STUCK_GRACE_S
+from tpudist.runtime import chip
 
 _COORDINATOR_KEY = "tpudist/jax_coordinator"
 # JAX's coordination service: its heartbeat decides how long survivors of a crashed peer live on,
@@ -31,7 +31,6 @@ _COORDINATOR_KEY = "tpudist/jax_coordinator"
 _HEARTBEAT_S = 60
 _MIN_SHUTDOWN_S = 60
 _MIN_INIT_S = 30  # every rank must reach jax.distributed.initialize within this (or the group timeout)
-_TOPOLOGY_ENV = "TPUDIST_TOPOLOGY"
 
 
 class RuntimeStateError(RuntimeError):
@@ -94,16 +93,17 @@ def topology_for(world_size: int) -> Any:
     Without ``TPUDIST_TOPOLOGY``, a world of a size no slice has (3 ranks: 2x2x1; 5: 2x2x2) runs
     on the first chips of the smallest slice that holds it, rank r on chip r."""
     from tpudist.mesh import Topology
+    from tpudist.mesh.tpu_env import TOPOLOGY_ENV
 
-    text = os.environ.get(_TOPOLOGY_ENV)
+    text = os.environ.get(TOPOLOGY_ENV)
     if not text:
         return Topology.smallest_for(world_size)
     topology = Topology.parse(text)
     if topology.num_chips != world_size:
         raise ValueError(
-            f"{_TOPOLOGY_ENV}={text} has {topology.num_chips} chips but the world has "
+            f"{TOPOLOGY_ENV}={text} has {topology.num_chips} chips but the world has "
             f"world_size={world_size} ranks: tpudist runs one rank per chip. Launch "
-            f"{topology.num_chips} ranks, or unset {_TOPOLOGY_ENV} to use the smallest slice that fits.")
+            f"{topology.num_chips} ranks, or unset {TOPOLOGY_ENV} to use the smallest slice that fits.")
     return topology
 
 
