@@ -158,6 +158,12 @@ def fold_into(rows: np.ndarray, reduce: str, static: tuple, out: np.ndarray) -> 
             ufunc.reduce(rows, 0, out=out)
 
 
+def reduce_ufunc(reduce: str, dtype: np.dtype) -> np.ufunc | None:
+    """The ufunc :func:`fold_into` reduces ``dtype`` rows with directly (into the output), or None
+    where it folds through :func:`fold` (16-bit floats summed in float32, avg, premul_sum)."""
+    return None if dtype in _LOW_PRECISION else _UFUNCS.get(reduce)
+
+
 # The reductions that are one ufunc over the rows in their own dtype (sum widens 16-bit floats).
 _UFUNCS = {"sum": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum,
            "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}

@@ -226,16 +226,26 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         fingerprint = entry.fingerprint
         fingerprint[-1] = seq
         entry.fingerprint_slot[...] = fingerprint
-        entry.payload[...] = arr.reshape(-1).view(np.uint8)
-        GLOO_LOOP.idle(entry.loop_idle)
-        try:
-            got = entry.exchange(entry.x_rows)[0]
-        except Exception as e:  # as _run_program
+        entry.payload[...] = arr  # every row: (n, *shape) <- shape
+        if GLOO_LOOP.is_idle != entry.loop_idle or GLOO_LOOP.force is not None:
+            GLOO_LOOP.idle(entry.loop_idle)
+        try:  # the program's one output; reading it raises what the program raised (as _run_program)
+            got = np.asarray(entry.exchange.program(entry.x_rows)[0]._arrays[0])  # the local shard
+        except Exception as e:
             raise self.channel.failure("all_reduce", entry.group, seq, e) from e
-        if not programs.all_agree(envelope.fingerprints(got), fingerprint):
-            raise self.channel.mismatch("all_reduce", entry.group, envelope.fingerprints(got))
-        data = envelope.payload(got, entry.nbytes, entry.dtype).reshape(entry.received)
-        envelope.fold_into(data, entry.reduce, entry.static, arr.view(entry.dtype))
+        # got: (1, n, WORDS) int32, row r from group rank r; read in place (small.SmallAllReduce)
+        fps = np.ndarray(entry.fingerprints_shape, np.int32, got, 0, entry.fingerprints_strides)
+        if fps.tobytes() != fingerprint.tobytes() * entry.received[0]:  # as programs.all_agree
+            raise self.channel.mismatch("all_reduce", entry.group, fps)
+        data = np.ndarray(entry.received, entry.dtype, got, small.DATA_OFFSET, entry.received_strides)
+        out = arr if entry.numeric else arr.view(entry.dtype)
+        if entry.ufunc is None:
+            envelope.fold_into(data, entry.reduce, entry.static, out)
+        elif entry.quiet:
+            with np.errstate(all="ignore"):  # floats overflow to inf silently, as in XLA
+                entry.ufunc.reduce(data, 0, out=out)
+        else:
+            entry.ufunc.reduce(data, 0, out=out)
         return [t]
 
     def _flat_ready(self, *tensors: Any) -> bool:

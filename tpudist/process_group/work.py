@@ -182,7 +182,16 @@ class CommStream:
                 return None
             self._pending = 1
             self._running.add(work)
-        self._run(work, fn, *args, started=True)
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the work
+            result, error = None, e
+        with self._lock:  # _run's bookkeeping; drain() is woken only if it waits (the usual case: nobody)
+            self._pending -= 1
+            self._running.discard(work)
+            if self._idle._waiters:  # Condition.wait appends to it under this lock
+                self._idle.notify_all()
+        work.finish(result, error)
         return work
 
     def drain(self) -> None:
