@@ -26,6 +26,7 @@ sees it, see :mod:`tpudist.process_group.lowerings`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -148,20 +149,23 @@ def fold(rows: np.ndarray, reduce: str, static: tuple = ()) -> np.ndarray:
 def fold_into(rows: np.ndarray, reduce: str, static: tuple, out: np.ndarray) -> None:
     """:func:`fold` written into ``out`` (of the result's shape and dtype): by the reduction itself
     where it computes in ``out``'s dtype, saving the intermediate and its copy."""
+    folder(reduce, static, rows.dtype)(rows, out)
+
+
+def folder(reduce: str, static: tuple, dtype: np.dtype) -> Callable[[np.ndarray, np.ndarray], None]:
+    """:func:`fold_into` for rows of ``dtype``, decided once: a caller that folds the same reduction
+    per call (a prepared small all_reduce) keeps it and pays no dispatch per call."""
     ufunc = _UFUNCS.get(reduce)
-    if ufunc is None or rows.dtype in _LOW_PRECISION:
-        np.copyto(out, fold(rows, reduce, static))
-    elif rows.dtype.kind in "iub":
-        ufunc.reduce(rows, 0, out=out)
-    else:
-        with np.errstate(all="ignore"):
+    if ufunc is None or dtype in _LOW_PRECISION:
+        return lambda rows, out: np.copyto(out, fold(rows, reduce, static))
+    if dtype.kind in "iub":
+        return lambda rows, out: ufunc.reduce(rows, 0, out=out)
+
+    def quietly(rows: np.ndarray, out: np.ndarray) -> None:
+        with np.errstate(all="ignore"):  # floats overflow to inf silently, as in XLA
             ufunc.reduce(rows, 0, out=out)
 
-
-def reduce_ufunc(reduce: str, dtype: np.dtype) -> np.ufunc | None:
-    """The ufunc :func:`fold_into` reduces ``dtype`` rows with directly (into the output), or None
-    where it folds through :func:`fold` (16-bit floats summed in float32, avg, premul_sum)."""
-    return None if dtype in _LOW_PRECISION else _UFUNCS.get(reduce)
+    return quietly
 
 
 # The reductions that are one ufunc over the rows in their own dtype (sum widens 16-bit floats).

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from tpudist.process_group import debug, envelope, programs, runtime, small
+from tpudist.process_group import debug, programs, runtime, small
 from tpudist.process_group import device_arrays
 from tpudist.process_group import device_collectives as dc
 from tpudist.process_group import tensors as tz
@@ -227,25 +227,17 @@ class ProcessGroupTPU(DataMovement, dist.ProcessGroup):
         fingerprint[-1] = seq
         entry.fingerprint_slot[...] = fingerprint
         entry.payload[...] = arr  # every row: (n, *shape) <- shape
-        if GLOO_LOOP.is_idle != entry.loop_idle or GLOO_LOOP.force is not None:
-            GLOO_LOOP.idle(entry.loop_idle)
-        try:  # the program's one output; reading it raises what the program raised (as _run_program)
-            got = np.asarray(entry.exchange.program(entry.x_rows)[0]._arrays[0])  # the local shard
+        GLOO_LOOP.idle(entry.loop_idle)
+        try:  # the program's one output, this rank's (n, WORDS) rows; reading it raises what the program raised
+            got = entry.exchange.first(entry.x_rows)
         except Exception as e:
             raise self.channel.failure("all_reduce", entry.group, seq, e) from e
-        # got: (1, n, WORDS) int32, row r from group rank r; read in place (small.SmallAllReduce)
+        # row r from group rank r; read in place (small.SmallAllReduce)
         fps = np.ndarray(entry.fingerprints_shape, np.int32, got, 0, entry.fingerprints_strides)
-        if fps.tobytes() != fingerprint.tobytes() * entry.received[0]:  # as programs.all_agree
+        if not programs.all_agree(fps, fingerprint):
             raise self.channel.mismatch("all_reduce", entry.group, fps)
         data = np.ndarray(entry.received, entry.dtype, got, small.DATA_OFFSET, entry.received_strides)
-        out = arr if entry.numeric else arr.view(entry.dtype)
-        if entry.ufunc is None:
-            envelope.fold_into(data, entry.reduce, entry.static, out)
-        elif entry.quiet:
-            with np.errstate(all="ignore"):  # floats overflow to inf silently, as in XLA
-                entry.ufunc.reduce(data, 0, out=out)
-        else:
-            entry.ufunc.reduce(data, 0, out=out)
+        entry.fold_into(data, arr if entry.numeric else arr.view(entry.dtype))
         return [t]
 
     def _flat_ready(self, *tensors: Any) -> bool:

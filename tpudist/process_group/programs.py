@@ -81,7 +81,17 @@ class Executable:
 
     def __call__(self, *args: Any) -> list[np.ndarray]:
         """This rank's block of each output (host views, no copies)."""
-        return [np.asarray(o._arrays[0])[0] for o in self.program(*args)]  # noqa: SLF001 - the local shard
+        return [_local_block(o) for o in self.program(*args)]
+
+    def first(self, *args: Any) -> np.ndarray:
+        """This rank's block of the first output alone (a prepared small all_reduce's one output)."""
+        return _local_block(self.program(*args)[0])
+
+
+def _local_block(output: Any) -> np.ndarray:
+    """This rank's block of a program's output, a host view (its one local shard, without the
+    sharding JAX's public ``addressable_data`` builds per call)."""
+    return np.asarray(output._arrays[0])[0]  # noqa: SLF001 - the local shard
 
 
 class CachedProgram:

@@ -11,7 +11,7 @@ get ``CollectiveMismatch``) and the same errors, with every view it writes or re
 Per call it writes the fingerprint and the block into every row (one typed view of the rows'
 payloads), runs the exchange, and reads the received rows in place: the fingerprints and the data
 are each one array made over the program's output with strides decided here, and the reduction is
-one ufunc into the tensor where ``envelope.fold_into`` would use one. (Issue 56: the views of views
+``envelope.folder``'s, chosen once. (Issue 56: the views of views
 and ``fold_into``'s dispatch this replaced cost ~8 us of a 1-rank call's 36 us of Python.)
 """
 
@@ -48,10 +48,7 @@ class SmallAllReduce:
     received_strides: tuple[int, ...]  # their strides in the received rows' bytes
     fingerprints_shape: tuple[int, int]  # (n, FP_WORDS): every sender's fingerprint ...
     fingerprints_strides: tuple[int, int]  # ... in the received rows' bytes
-    ufunc: Any  # the reduction as one ufunc into the tensor (envelope.fold_into), or None: fold_into
-    quiet: bool  # float data: the ufunc runs under np.errstate (overflow to inf without a warning)
-    reduce: str
-    static: tuple
+    fold_into: Any  # envelope.folder's: the received blocks reduced into the tensor
     loop_idle: bool
 
 
@@ -81,11 +78,9 @@ def build(group: Any, t: torch.Tensor, reduce_op: Any) -> SmallAllReduce | None:
     # numpy call for the fingerprints and one for the data, instead of views of views.
     row = envelope.WORDS * 4
     elem_strides = np.empty(block.shape, block.dtype).strides
-    ufunc = envelope.reduce_ufunc(reduce, block.dtype)
     return SmallAllReduce(
         group.describe("all_reduce"), key.group, compiled.envelope_fn, compiled.x_rows,
         fingerprint, envelope.fingerprints(compiled.rows),
         envelope.payload(compiled.rows, nbytes, host.dtype).reshape(n, *block.shape), view,
         block.dtype, host.dtype == block.dtype, (n, *block.shape), (row, *elem_strides),
-        (n, envelope.FP_WORDS), (row, 4), ufunc, ufunc is not None and block.dtype.kind not in "iub",
-        reduce, static, compiled.loop_idle)
+        (n, envelope.FP_WORDS), (row, 4), envelope.folder(reduce, static, block.dtype), compiled.loop_idle)

@@ -122,6 +122,7 @@ class CommStream:
         self._idle = threading.Condition(self._lock)
         self._pending = 0
         self._running: set[Work] = set()  # started, not finished (inline or on the thread)
+        self._draining = 0  # threads waiting in drain(), the one waiter on _idle a finished work wakes
         self._thread: threading.Thread | None = None
         # Where collectives cannot be cancelled (a TPU program): how long drain() waits for a running
         # one before it gives up, and what a timeout tells the user. None/"": wait (XLA:CPU ends a
@@ -182,16 +183,7 @@ class CommStream:
                 return None
             self._pending = 1
             self._running.add(work)
-        try:
-            result, error = fn(*args), None
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the work
-            result, error = None, e
-        with self._lock:  # _run's bookkeeping; drain() is woken only if it waits (the usual case: nobody)
-            self._pending -= 1
-            self._running.discard(work)
-            if self._idle._waiters:  # Condition.wait appends to it under this lock
-                self._idle.notify_all()
-        work.finish(result, error)
+        self._run(work, fn, *args, started=True)
         return work
 
     def drain(self) -> None:
@@ -199,7 +191,12 @@ class CommStream:
         ``drain_limit_s`` (then CollectiveTimeout: destroy_process_group must not wait forever)."""
         limit = self.drain_limit_s
         with self._idle:
-            if self._idle.wait_for(lambda: self._pending == 0, timeout=limit):
+            self._draining += 1
+            try:
+                done = self._idle.wait_for(lambda: self._pending == 0, timeout=limit)
+            finally:
+                self._draining -= 1
+            if done:
                 return
             pending = self._pending
         raise CollectiveTimeout(
@@ -274,7 +271,8 @@ class CommStream:
         with self._idle:
             self._pending -= 1
             self._running.discard(work)
-            self._idle.notify_all()
+            if self._draining:  # usually nobody waits: no wake-up to pay for per collective
+                self._idle.notify_all()
         work.finish(result, error)
 
 
